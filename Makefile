@@ -1,0 +1,30 @@
+# Everything a fresh machine needs lives here: `make demo`, `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test stateful variants clean
+
+install: $(STAMP)
+
+# torch is pinned so pip takes the CPU wheel instead of a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test,torch]'
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m kvoffload.reference.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -n auto tests
+
+stateful: $(STAMP)
+	$(PY) -m pytest -n auto tests/stateful
+
+variants: $(STAMP)
+	$(PY) -m pytest -s -q tests/stateful/test_faulty_variants.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .hypothesis .pytest_cache

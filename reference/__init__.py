@@ -1,0 +1,6 @@
+"""kvoffload.reference — a plain, obviously-correct offloading connector (torch CPU tensors)."""
+
+from .connector import ReferenceConnector, TensorKV, Transfer, TransferPlan
+from .tier import LRUTier
+
+__all__ = ["LRUTier", "ReferenceConnector", "TensorKV", "Transfer", "TransferPlan"]

@@ -1,0 +1,264 @@
+"""The reference connector: vLLM's offloading connector written plainly, both sides in one class.
+
+The scheduler side decides (lookups, loads, stores, delayed frees) and hands the worker a ``TransferPlan`` per
+step; the worker side copies rows between the engine's KV tensor and one host tensor, on the executor the
+engine gives it. Read it next to ``kvoffload.spec.connector``: every decision there has one home here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import torch
+from attrs import define, field
+
+from kvoffload.spec.config import BlockIdError, Config, UnknownRequestError
+from kvoffload.spec.types import Copy, Event, Job, Observation, SchedulerOutput, WorkerOutput
+from kvoffload.spec.world import Executor, Request
+
+from .tier import LRUTier
+
+
+@define
+class Transfer:
+    job_id: int
+    req_id: str
+    kind: str  # "store" | "load"
+    copies: tuple[Copy, ...]  # (GPU block, key, index in the offload block)
+    host_rows: tuple[int, ...]  # host buffer row of each copy
+
+    @property
+    def keys(self) -> list[int]:
+        return list(dict.fromkeys(key for _b, key, _s in self.copies))
+
+
+@define
+class TransferPlan:
+    """The connector metadata of one step."""
+
+    loads: list[Transfer] = field(factory=list)
+    stores: list[Transfer] = field(factory=list)
+
+
+class TensorKV:
+    """GPU KV memory as a real tensor: one row of ``width`` int64 per block, filled from the block's content id."""
+
+    def __init__(self, num_blocks: int, width: int = 8, device: str = "cpu") -> None:
+        self.num_blocks = num_blocks
+        self.tensor = torch.full((num_blocks, width), -2, dtype=torch.int64, device=device)
+        self._lanes = torch.arange(width, dtype=torch.int64, device=device) * 0x9E3779B97F4A7C15 % (1 << 61)
+
+    def row(self, content: int) -> torch.Tensor:
+        return self._lanes ^ content
+
+    def write(self, block_id: int, content: int) -> None:
+        self.tensor[block_id] = self.row(content)
+
+    def holds(self, block_id: int, content: int) -> bool:
+        return bool(torch.equal(self.tensor[block_id], self.row(content)))
+
+
+class ReferenceConnector:
+    tier_class = LRUTier
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        # scheduler side
+        self.tier = self.tier_class(config.tier_blocks)
+        self._requests: dict[str, Request] = {}
+        self._block_ids: dict[str, list[int]] = {}
+        self._next_stored: dict[str, int] = {}  # the store cursor, in offload blocks
+        self._unfinished: dict[int, Transfer] = {}  # built, result not yet received
+        self._loads_to_send: list[Transfer] = []
+        self._job_ids = itertools.count()
+        # worker side
+        self._executor: Executor | None = None
+        self._gpu: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None
+        self._submitted: dict[int, Transfer] = {}
+        self._draining: set[str] = set()  # finished requests whose jobs have not all completed
+        self._invalid_blocks: set[int] = set()
+
+    # ================= scheduler side =================
+    def _keys(self, req: Request) -> list[int]:
+        k = self.config.k
+        return req.block_hashes[k - 1::k]
+
+    def _request(self, req_id: str) -> Request:
+        try:
+            return self._requests[req_id]
+        except KeyError:
+            raise UnknownRequestError(f"unknown request id {req_id!r}: the connector never saw it") from None
+
+    def _has_jobs(self, req_id: str) -> bool:
+        return any(t.req_id == req_id for t in self._unfinished.values())
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        self._requests[request.req_id] = request
+        if self._has_jobs(request.req_id):
+            return 0, False  # a load must not overlap this request's stores
+        size = self.config.offload_block_size
+        first = num_computed_tokens // size
+        last = (request.num_tokens - 1) // size  # keep one token to compute
+        hits = self.tier.lookup(self._keys(request)[first:last])
+        if hits == 0:
+            return 0, False
+        return (first + hits) * size - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        req_id = self._request(request.req_id).req_id
+        self._block_ids[req_id] = list(block_ids)
+        self._next_stored[req_id] = 0
+        if num_external_tokens == 0:
+            return
+        bs, k = self.config.block_size, self.config.k
+        first_block = request.num_computed_tokens // bs
+        end_block = (request.num_computed_tokens + num_external_tokens) // bs
+        keys = self._keys(request)[first_block // k:end_block // k + (end_block % k > 0)]
+        slots = dict(zip(keys, self.tier.prepare_load(keys)))
+        self.tier.touch(keys)
+        copies, rows = [], []
+        for i in range(first_block, end_block):
+            key = self._keys(request)[i // k]
+            copies.append((block_ids[i], key, i % k))
+            rows.append(slots[key] * k + i % k)
+        self._loads_to_send.append(self._transfer(req_id, "load", copies, rows))
+
+    def _transfer(self, req_id: str, kind: str, copies: list[Copy], rows: list[int]) -> Transfer:
+        transfer = Transfer(next(self._job_ids), req_id, kind, tuple(copies), tuple(rows))
+        self._unfinished[transfer.job_id] = transfer
+        return transfer
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
+        plan = TransferPlan(loads=self._loads_to_send)
+        self._loads_to_send = []
+        for req_id in scheduler_output.preempted_req_ids:
+            self._block_ids[req_id] = []
+            self._rewind(req_id)
+        self._collect_stores(scheduler_output, plan)
+        return plan
+
+    def _collect_stores(self, scheduler_output: SchedulerOutput, plan: TransferPlan) -> None:
+        for sched in scheduler_output.scheduled:
+            self._update_block_ids(sched)
+            keys, first = self._storable_keys(sched)
+            slots = self.tier.prepare_store(keys)
+            if slots is None:
+                continue  # no room for this request's blocks: skip it, never the rest of the batch
+            self.tier.touch(keys)
+            if slots:
+                plan.stores.append(self._store_transfer(sched.req_id, first, keys, slots))
+
+    def _update_block_ids(self, sched) -> None:
+        self._request(sched.req_id)
+        if sched.kind == "running":
+            self._block_ids[sched.req_id].extend(sched.block_ids or ())
+        else:  # new or resumed: the whole table
+            self._block_ids[sched.req_id] = list(sched.block_ids)
+            self._rewind(sched.req_id)
+
+    def _rewind(self, req_id: str) -> None:
+        self._next_stored[req_id] = 0
+
+    def _storable_keys(self, sched) -> tuple[list[int], int]:
+        """Keys of the offload blocks full after this step that the cursor has not passed; moves the cursor."""
+        full = (sched.num_computed_tokens + sched.num_scheduled_tokens) // self.config.offload_block_size
+        first = self._next_stored[sched.req_id]
+        self._next_stored[sched.req_id] = max(first, full)
+        return self._keys(self._requests[sched.req_id])[first:full], first
+
+    def _store_transfer(self, req_id: str, first: int, keys: list[int], slots: dict[int, int]) -> Transfer:
+        k, table = self.config.k, self._block_ids[req_id]
+        copies, rows = [], []
+        for j, key in enumerate(keys, start=first):
+            if key in slots:
+                for sub in range(k):
+                    copies.append((table[j * k + sub], key, sub))
+                    rows.append(slots[key] * k + sub)
+        return self._transfer(req_id, "store", copies, rows)
+
+    def update_connector_output(self, output: WorkerOutput) -> None:
+        for job_id, success in output.job_results:
+            transfer = self._unfinished.pop(job_id, None)
+            if transfer is None:
+                raise UnknownRequestError(f"completion for unknown job {job_id}")
+            if transfer.kind == "store":
+                self.tier.complete_store(transfer.keys, success)
+            else:
+                self.tier.complete_load(transfer.keys)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        req_id = self._request(request.req_id).req_id
+        del self._requests[req_id]
+        self._block_ids.pop(req_id, None)
+        self._next_stored.pop(req_id, None)
+        return self._has_jobs(req_id)
+
+    def take_events(self) -> list[Event]:
+        events, self.tier.events = self.tier.events, []
+        return events
+
+    # ================= worker side =================
+    def register_kv_caches(self, kv: TensorKV, executor: Executor) -> None:
+        self._gpu, self._executor = kv.tensor, executor
+        rows = self.config.tier_blocks * self.config.k
+        self._host = torch.zeros((rows, kv.tensor.shape[1]), dtype=kv.tensor.dtype)
+
+    def handle_preemptions(self, req_ids: frozenset[str]) -> None:
+        self._executor.flush({t.job_id for t in self._submitted.values() if t.kind == "store" and t.req_id in req_ids})
+
+    def start_load_kv(self, metadata: TransferPlan) -> None:
+        for transfer in metadata.loads:
+            self._submit(transfer)
+
+    def wait_for_save(self, metadata: TransferPlan) -> None:
+        for transfer in metadata.stores:
+            self._submit(transfer)
+
+    def _submit(self, transfer: Transfer) -> None:
+        blocks = [b for b, _key, _sub in transfer.copies]
+        if any(not 0 <= b < self._gpu.shape[0] for b in blocks):
+            raise BlockIdError(f"transfer {transfer.job_id} names GPU blocks {blocks}; the pool has {self._gpu.shape[0]}")
+        gpu_idx, host_idx = torch.tensor(blocks), torch.tensor(transfer.host_rows)
+        if transfer.kind == "store":
+            def run() -> None:
+                self._host.index_copy_(0, host_idx, self._gpu.index_select(0, gpu_idx))
+        else:
+            def run() -> None:
+                self._gpu.index_copy_(0, gpu_idx, self._host.index_select(0, host_idx))
+        self._submitted[transfer.job_id] = transfer
+        self._executor.submit(Job(transfer.job_id, transfer.req_id, transfer.kind, transfer.copies, run))
+
+    def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
+        pending = Counter(t.req_id for t in self._submitted.values())
+        self._draining |= {r for r in finished_req_ids if pending[r]}
+        results = self._executor.poll()
+        recving = set()
+        for job_id, success in results:
+            transfer = self._submitted.pop(job_id)
+            pending[transfer.req_id] -= 1
+            if transfer.kind == "load":
+                recving.add(transfer.req_id)
+                if not success:
+                    self._invalid_blocks.update(b for b, _key, _sub in transfer.copies)
+        sending = {r for r in self._draining if pending[r] == 0}
+        self._draining -= sending
+        recving -= self._draining | sending | finished_req_ids
+        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
+
+    # ================= for the conformance kit =================
+    def observe(self) -> Observation:
+        return Observation(
+            tracked={r: tuple(b) for r, b in self._block_ids.items()},
+            cursors=dict(self._next_stored),
+            tier=tuple((key, slot.ready, slot.refs) for key, slot in self.tier.slots.items()),
+            jobs=tuple(sorted((t.req_id, t.kind, t.copies) for t in self._unfinished.values())),
+        )
+
+    def refuse_next_store(self) -> None:
+        self.tier.refuse_next = True

@@ -1,0 +1,81 @@
+"""An LRU CPU tier with slots: each entry owns ``k`` rows of the host buffer."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from attrs import define
+
+from kvoffload.spec.types import Event, Key
+
+
+@define
+class Slot:
+    index: int  # which k-row slice of the host buffer holds this entry
+    ready: bool = False
+    refs: int = 0
+
+
+class LRUTier:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.slots: OrderedDict[Key, Slot] = OrderedDict()  # least recently used first
+        self.free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
+        self.events: list[Event] = []
+        self.refuse_next = False
+        self.refusals = 0  # prepare_store calls that found no room
+
+    def lookup(self, keys: list[Key]) -> int:
+        for n, key in enumerate(keys):
+            slot = self.slots.get(key)
+            if slot is None or not slot.ready:
+                return n
+        return len(keys)
+
+    def touch(self, keys: list[Key]) -> None:
+        for key in keys:
+            if key in self.slots:
+                self.slots.move_to_end(key)
+
+    def prepare_load(self, keys: list[Key]) -> list[int]:
+        for key in keys:
+            self.slots[key].refs += 1
+        return [self.slots[key].index for key in keys]
+
+    def complete_load(self, keys: list[Key]) -> None:
+        for key in keys:
+            self.slots[key].refs -= 1
+
+    def evictable(self, protected: set[Key]) -> list[Key]:
+        return [key for key, slot in self.slots.items() if slot.ready and slot.refs == 0 and key not in protected]
+
+    def prepare_store(self, keys: list[Key]) -> dict[Key, int] | None:
+        """Slots for the keys not stored yet, or None (and no change at all) when the tier cannot make room."""
+        new = [key for key in keys if key not in self.slots]
+        if not new:
+            return {}
+        shortfall = len(new) - len(self.free)
+        victims = self.evictable(set(keys))[:max(shortfall, 0)]
+        if self.refuse_next or len(victims) < shortfall:
+            self.refuse_next = False
+            self.refusals += 1
+            return None
+        self.evict(victims)
+        for key in new:
+            self.slots[key] = Slot(self.free.pop())
+        return {key: self.slots[key].index for key in new}
+
+    def evict(self, keys: list[Key]) -> None:
+        for key in keys:
+            self.free.append(self.slots.pop(key).index)
+        if keys:
+            self.events.append(Event("removed", tuple(keys)))
+
+    def complete_store(self, keys: list[Key], success: bool) -> None:
+        for key in keys:
+            if success:
+                self.slots[key].ready = True
+            else:
+                self.free.append(self.slots.pop(key).index)
+        if success:
+            self.events.append(Event("stored", tuple(keys)))

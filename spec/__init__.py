@@ -1,0 +1,18 @@
+"""kvoffload.spec — the executable definition of correct KV offloading.
+
+Read in this order: ``config`` (sizes, errors), ``types`` (what engine and connector exchange), ``world`` (the
+engine), ``tier`` (the offload tier), ``connector`` (the spec connector's decisions), ``invariants`` (what must
+always hold). ``kit`` (needs hypothesis) drives any connector through all of it.
+"""
+
+from .config import BlockIdError, Config, ConfigError, UnknownRequestError
+from .connector import SpecConnector
+from .invariants import SPEC_VERSION, Violation
+from .types import Connector, Event, GpuKV, Job, Observation, ScheduledRequest, SchedulerOutput, WorkerOutput
+from .world import Executor, ListKV, Request, World
+
+__all__ = [
+    "SPEC_VERSION", "BlockIdError", "Config", "ConfigError", "Connector", "Event", "Executor", "GpuKV", "Job",
+    "ListKV", "Observation", "Request", "ScheduledRequest", "SchedulerOutput", "SpecConnector",
+    "UnknownRequestError", "Violation", "WorkerOutput", "World",
+]

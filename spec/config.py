@@ -1,0 +1,54 @@
+"""Configuration of one engine + connector, and the errors raised for bad input."""
+
+from __future__ import annotations
+
+from attrs import frozen
+
+
+class ConfigError(ValueError):
+    """A configuration that no engine or tier could run with."""
+
+
+class UnknownRequestError(KeyError):
+    """A connector was told about a request id it never saw."""
+
+    def __str__(self) -> str:  # KeyError would print only the repr of the id
+        return self.args[0]
+
+
+class BlockIdError(IndexError):
+    """A block id outside the GPU pool (or a tier slot outside the tier)."""
+
+
+def _require_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@frozen
+class Config:
+    """Sizes are in tokens or in blocks, as named; everything is small on purpose."""
+
+    num_gpu_blocks: int = 16
+    block_size: int = 2  # tokens per GPU block
+    offload_block_size: int = 2  # tokens per tier entry: k GPU blocks, k >= 1
+    tier_blocks: int = 8  # tier capacity, in offload blocks
+    token_budget: int = 8  # tokens the scheduler may compute per step
+    policy: str = "lru"
+    prefix_caching: bool = True  # the engine's own GPU prefix cache; off, every shared prefix comes from the tier
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("num_gpu_blocks", "block_size", "offload_block_size", "tier_blocks", "token_budget"):
+            _require_positive(name, getattr(self, name))
+        if self.offload_block_size % self.block_size:
+            raise ConfigError(
+                f"offload_block_size ({self.offload_block_size} tokens) must be a multiple of "
+                f"block_size ({self.block_size} tokens)"
+            )
+        if self.policy not in ("lru",):
+            raise ConfigError(f"unknown eviction policy {self.policy!r}; known: 'lru'")
+
+    @property
+    def k(self) -> int:
+        """GPU blocks per offload block."""
+        return self.offload_block_size // self.block_size

@@ -1,0 +1,205 @@
+"""The spec connector: the definition of what a correct offloading connector decides, step by step.
+
+Scheduler side
+  * lookup: count ready tier entries from the first offload block not already on the GPU, leaving at least one
+    token to compute; no hit for a request that still has transfers in flight.
+  * after alloc: remember the block table; a hit becomes one load job (pins its entries).
+  * each batch: update every request's block table first (new / resumed: replace; running: append the step's
+    new ids), then offer the offload blocks that are full after this step, from the request's store cursor on.
+    A refused store skips *that request only*; the cursor still moves past what was offered.
+  * preemption and resumption rewind the cursor to 0 (prepare_store skips what is really stored).
+  * request_finished: delay the free iff the request has a job in flight; forget the request either way.
+
+Worker side
+  * loads are submitted in start_load_kv, stores in wait_for_save (after the forward pass wrote the blocks);
+  * preemption flushes the preempted requests' stores before their blocks are reused;
+  * a finished request with jobs in flight is reported in finished_sending once its jobs drained;
+  * a failed load's GPU blocks are reported by get_block_ids_with_load_errors.
+"""
+
+from __future__ import annotations
+
+from attrs import define, field
+
+from .config import Config, UnknownRequestError
+from .tier import Tier
+from .types import Copy, Event, Job, Key, Observation, SchedulerOutput, WorkerOutput
+from .world import Executor, ListKV, Request
+
+
+@define
+class JobSpec:
+    job_id: int
+    req_id: str
+    kind: str
+    copies: tuple[Copy, ...]
+
+    @property
+    def keys(self) -> list[Key]:
+        return list(dict.fromkeys(key for _b, key, _s in self.copies))
+
+
+@define
+class SpecMeta:
+    loads: list[JobSpec]
+    stores: list[JobSpec]
+
+
+def offload_keys(req: Request, config: Config) -> list[Key]:
+    """One key per full offload block: the hash of its last GPU block (the chain covers the whole prefix)."""
+    return req.block_hashes[config.k - 1::config.k]
+
+
+@define
+class SpecConnector:
+    config: Config
+    tier: Tier = field()
+    requests: dict[str, Request] = field(factory=dict)
+    tracked: dict[str, list[int]] = field(factory=dict)
+    cursors: dict[str, int] = field(factory=dict)
+    jobs: dict[int, JobSpec] = field(factory=dict)  # scheduler's view: built, result not yet received
+    pending_loads: list[JobSpec] = field(factory=list)
+    next_job_id: int = 0
+    # worker side
+    kv: ListKV | None = None
+    executor: Executor | None = None
+    tier_bytes: dict[tuple[Key, int], int] = field(factory=dict)  # (key, GPU block index in it) -> content
+    in_flight: dict[int, JobSpec] = field(factory=dict)  # worker's view: submitted, not yet polled
+    finishing: set[str] = field(factory=set)
+    load_errors: set[int] = field(factory=set)
+
+    @tier.default
+    def _tier(self) -> Tier:
+        return Tier(self.config.tier_blocks)
+
+    # ---- scheduler side ------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        self.requests[request.req_id] = request
+        if any(job.req_id == request.req_id for job in self.jobs.values()):
+            return 0, False
+        per = self.config.offload_block_size
+        start, limit = num_computed_tokens // per, (request.num_tokens - 1) // per
+        hits = self.tier.lookup(offload_keys(request, self.config)[start:limit])
+        return ((start + hits) * per - num_computed_tokens, True) if hits else (0, False)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        req = self._known(request.req_id)
+        self.tracked[req.req_id], self.cursors[req.req_id] = list(block_ids), 0
+        if num_external_tokens:
+            bs, k = self.config.block_size, self.config.k
+            keys = offload_keys(req, self.config)
+            first, end = req.num_computed_tokens // bs, (req.num_computed_tokens + num_external_tokens) // bs
+            job = self._new_job(req.req_id, "load", [(block_ids[i], keys[i // k], i % k) for i in range(first, end)])
+            self.tier.prepare_load(job.keys)
+            self.tier.touch(job.keys)
+            self.pending_loads.append(job)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SpecMeta:
+        meta, self.pending_loads = SpecMeta(self.pending_loads, []), []
+        for req_id in scheduler_output.preempted_req_ids:
+            self.tracked[req_id], self.cursors[req_id] = [], 0
+        for s in scheduler_output.scheduled:
+            req = self._known(s.req_id)
+            if s.kind == "running":
+                self.tracked[s.req_id] += s.block_ids or ()
+            else:
+                self.tracked[s.req_id], self.cursors[s.req_id] = list(s.block_ids or ()), 0
+            job = self._store(req, (s.num_computed_tokens + s.num_scheduled_tokens) // self.config.offload_block_size)
+            if job:
+                meta.stores.append(job)
+        return meta
+
+    def _store(self, req: Request, full: int) -> JobSpec | None:
+        """Offer offload blocks [cursor, full) to the tier; a job for those it accepts."""
+        keys = offload_keys(req, self.config)
+        start, self.cursors[req.req_id] = self.cursors[req.req_id], max(full, self.cursors[req.req_id])
+        accepted = self.tier.prepare_store(keys[start:full])
+        if accepted is None:  # refused for lack of room: skip this request's blocks, nothing else
+            return None
+        self.tier.touch(keys[start:full])
+        if not accepted:  # all present already
+            return None
+        k, table = self.config.k, self.tracked[req.req_id]
+        copies = [(table[j * k + s], keys[j], s) for j in range(start, full) if keys[j] in accepted for s in range(k)]
+        return self._new_job(req.req_id, "store", copies)
+
+    def _new_job(self, req_id: str, kind: str, copies: list[Copy]) -> JobSpec:
+        job = JobSpec(self.next_job_id, req_id, kind, tuple(copies))
+        self.next_job_id += 1
+        self.jobs[job.job_id] = job
+        return job
+
+    def update_connector_output(self, output: WorkerOutput) -> None:
+        for job_id, ok in output.job_results:
+            if job_id not in self.jobs:
+                raise UnknownRequestError(f"completion for unknown job {job_id}")
+            job = self.jobs.pop(job_id)
+            if job.kind == "store":
+                self.tier.complete_store(job.keys, ok)
+            else:
+                self.tier.complete_load(job.keys)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        self._known(request.req_id)
+        for state in (self.requests, self.tracked, self.cursors):
+            state.pop(request.req_id, None)
+        return any(job.req_id == request.req_id for job in self.jobs.values())
+
+    def take_events(self) -> list[Event]:
+        events, self.tier.events = self.tier.events, []
+        return events
+
+    def _known(self, req_id: str) -> Request:
+        if req_id not in self.requests:
+            raise UnknownRequestError(f"unknown request id {req_id!r}: the connector never saw it")
+        return self.requests[req_id]
+
+    # ---- worker side ---------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv: ListKV, executor: Executor) -> None:
+        self.kv, self.executor = kv, executor
+
+    def handle_preemptions(self, req_ids: frozenset[str]) -> None:
+        self.executor.flush({j.job_id for j in self.in_flight.values() if j.req_id in req_ids and j.kind == "store"})
+
+    def start_load_kv(self, metadata: SpecMeta) -> None:
+        for job in metadata.loads:
+            self._submit(job, lambda job=job: [self.kv.write(b, self.tier_bytes[key, s]) for b, key, s in job.copies])
+
+    def wait_for_save(self, metadata: SpecMeta) -> None:
+        for job in metadata.stores:
+            self._submit(job, lambda job=job: self.tier_bytes.update(
+                {(key, s): self.kv.read(b) for b, key, s in job.copies}))
+
+    def _submit(self, job: JobSpec, run) -> None:
+        for b, _key, _s in job.copies:
+            self.kv.check(b)
+        self.in_flight[job.job_id] = job
+        self.executor.submit(Job(job.job_id, job.req_id, job.kind, job.copies, run))
+
+    def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
+        busy = {j.req_id for j in self.in_flight.values()}
+        self.finishing |= finished_req_ids & busy
+        results = self.executor.poll()
+        done = [self.in_flight.pop(job_id) for job_id, _ok in results]
+        self.load_errors |= {b for job, (_id, ok) in zip(done, results) if job.kind == "load" and not ok
+                             for b, _k, _s in job.copies}
+        busy = {j.req_id for j in self.in_flight.values()}
+        sending, self.finishing = self.finishing - busy, self.finishing & busy
+        recving = {j.req_id for j in done if j.kind == "load"} - self.finishing - sending - finished_req_ids
+        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    # ---- for the kit ---------------------------------------------------------------------------------------
+    def observe(self) -> Observation:
+        return Observation(
+            tracked={r: tuple(t) for r, t in self.tracked.items()},
+            cursors=dict(self.cursors),
+            tier=tuple((k, e.ready, e.refs) for k, e in self.tier.entries.items()),
+            jobs=tuple(sorted((j.req_id, j.kind, j.copies) for j in self.jobs.values())),
+        )
+
+    def refuse_next_store(self) -> None:
+        self.tier.refuse_next = True

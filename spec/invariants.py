@@ -1,0 +1,202 @@
+"""The invariants of correct offloading, one named function each.
+
+Each function returns nothing when the invariant holds and raises ``Violation`` naming the request, block or key
+when it does not. The world calls the ones tied to a moment (TRACK right after ``build_connector_meta``, FINISH at
+``request_finished``, SRC/DST when a block is freed or written); the kit calls the state invariants after every rule.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Iterable
+
+from .types import Observation, WorkerOutput
+
+if TYPE_CHECKING:
+    from .world import Job, Request, World
+
+SPEC_VERSION = "0.1"
+
+
+class Violation(AssertionError):
+    """An invariant failed. ``rules_run`` is filled in by the kit: the length of the program that broke it."""
+
+    rules_run: int | None = None
+
+    def __init__(self, invariant: str, message: str) -> None:
+        super().__init__(f"[kvoffload spec {SPEC_VERSION}] {invariant}: {message}")
+        self.invariant = invariant
+
+
+CHECKED: Counter[str] = Counter()  # how often each invariant was evaluated in this process (for reports)
+
+
+def _require(ok: bool, invariant: str, message: str) -> None:
+    CHECKED[invariant] += 1
+    if not ok:
+        raise Violation(invariant, message)
+
+
+def track(world: World, obs: Observation) -> None:
+    """TRACK — the connector's block table for each request equals the scheduler's, whatever it decided to store.
+
+    Prevents the seed bug: a refused store allocation that ``break``s out of the batch loop leaves every later
+    request without its new block ids, and later stores read the wrong GPU block (or raise IndexError).
+    """
+    for req in world.requests.values():
+        if req.looked_up and req.blocks:
+            got = obs.tracked.get(req.req_id, ())
+            _require(tuple(got) == tuple(req.blocks), "TRACK",
+                     f"step {world.step_no}, request {req.req_id}: scheduler table {req.blocks}, connector {list(got)}")
+    for req_id, table in obs.tracked.items():
+        req = world.requests.get(req_id) or world.delayed.get(req_id)
+        if table:
+            _require(req is not None and tuple(table) == tuple(req.blocks), "TRACK",
+                     f"step {world.step_no}: connector tracks {list(table)} for {req_id}, which holds "
+                     f"{req.blocks if req else 'no blocks'}")
+
+
+def src(world: World) -> None:
+    """SRC — a block an unexecuted store reads still belongs to that request, holding the key being stored.
+
+    Prevents stores that copy a block after it was freed and reused (preemption without a flush, a finish that
+    freed blocks under a running store): the tier would keep another prefix's bytes under this key.
+    """
+    for job in world.executor.unexecuted("store"):
+        owner = world.requests.get(job.req_id) or world.delayed.get(job.req_id)
+        for block, _key, _sub in job.copies:
+            _require(owner is not None and block in owner.blocks and world.pool.refs[block] > 0, "SRC",
+                     f"step {world.step_no}: store job {job.job_id} of {job.req_id} still reads block {block}, "
+                     f"which the request no longer holds")
+
+
+def not_in_flight(world: World, block: int, action: str, kinds: tuple[str, ...] = ("store", "load")) -> None:
+    """SRC + DST at the moment a block is freed or written: no store still reads it, no load still writes it.
+    (DST alone when it enters the prefix cache: other requests would read it before the load landed.)"""
+    for job in world.executor.touching(block):
+        if job.kind not in kinds:
+            continue
+        _require(False, "SRC" if job.kind == "store" else "DST",
+                 f"step {world.step_no}: block {block} {action} while {job.kind} job {job.job_id} "
+                 f"of {job.req_id} is in flight on it")
+
+
+def content(world: World) -> None:
+    """CONTENT — every computed block a live request holds contains exactly its prefix's bytes.
+
+    This is the end-to-end data check: a load of the wrong tier entry, a store of the wrong GPU block, a stale
+    read of a reused block or a store of a not-yet-computed slot all surface here as wrong bytes.
+    """
+    for req in world.requests.values():
+        for i in range(req.num_computed_tokens // world.config.block_size):
+            block = req.blocks[i]
+            _require(world.kv.holds(block, req.block_hashes[i]), "CONTENT",
+                     f"step {world.step_no}, request {req.req_id}: block {block} (position {i}) "
+                     f"does not hold its prefix's KV")
+
+
+def ref(world: World, obs: Observation) -> None:
+    """REF — tier ref counts equal the in-flight loads that read each entry; not-ready entries are exactly the
+    keys of in-flight stores.
+
+    Prevents evicting an entry a load still reads (the slot is reused, the load copies another prefix) and ghost
+    entries that stay not-ready forever (the tier fills up and refuses every store).
+    """
+    loads: Counter[int] = Counter()
+    storing: set[int] = set()
+    for job in world.executor.jobs:
+        for key in dict.fromkeys(key for _b, key, _s in job.copies):
+            if job.kind == "load":
+                loads[key] += 1
+            else:
+                storing.add(key)
+    for key, ready, refs in obs.tier:
+        _require(refs == loads[key], "REF", f"key {key:#x}: ref count {refs}, in-flight loads {loads[key]}")
+        _require(ready == (key not in storing), "REF",
+                 f"key {key:#x}: ready={ready} but {'a' if key in storing else 'no'} store is in flight")
+    listed = {key for key, _r, _n in obs.tier}
+    _require(set(loads) <= listed and storing <= listed, "REF",
+             f"jobs in flight on keys the tier does not hold: {sorted(set(loads) - listed | storing - listed)}")
+
+
+def cursor(world: World, obs: Observation) -> None:
+    """CURSOR — a request's store cursor never passes its fully computed offload blocks.
+
+    Prevents keys for tokens that are not computed yet (a store would copy half-written slots). That the cursor
+    never skips a storable block is checked exactly against the spec's cursor.
+    """
+    for req_id, at in obs.cursors.items():
+        req = world.requests.get(req_id)
+        if req is None:  # finished: the connector may keep its state until the delayed free
+            continue
+        done = req.num_computed_tokens // world.config.offload_block_size
+        _require(at <= done, "CURSOR", f"request {req_id}: cursor {at} passes its {done} computed offload blocks")
+
+
+def jobs(world: World) -> None:
+    """JOBS — per request, one load or any number of stores in flight, never both."""
+    kinds: dict[str, set[str]] = {}
+    for job in world.executor.jobs:
+        kinds.setdefault(job.req_id, set()).add(job.kind)
+    for req_id, seen in kinds.items():
+        _require(seen != {"store", "load"}, "JOBS", f"request {req_id} has loads and stores in flight at once")
+        _require(sum(j.kind == "load" for j in world.executor.jobs if j.req_id == req_id) <= 1, "JOBS",
+                 f"request {req_id} has more than one load in flight")
+
+
+def finish(req: Request, delayed: bool, in_flight: list[Job]) -> None:
+    """FINISH — ``request_finished`` delays the free iff a job of the request is still in flight.
+
+    Prevents freeing blocks that a store still reads (they are reused and the store copies another prefix) and,
+    the other way, blocks that are never freed.
+    """
+    _require(delayed == bool(in_flight), "FINISH",
+             f"request {req.req_id}: request_finished returned delay={delayed} with "
+             f"{len(in_flight)} job(s) in flight")
+
+
+def completions(world: World, output: WorkerOutput, polled: list[Job], load_errors: set[int]) -> None:
+    """JOBS / FAIL — each completion is reported once and for a known request; a failed load's blocks are
+    reported invalid (so the engine recomputes them) and nothing else is.
+    """
+    reported = Counter(output.job_results)
+    expected = Counter((job.job_id, bool(job.ok)) for job in polled)
+    _require(reported == expected, "JOBS",
+             f"step {world.step_no}: worker reported {sorted(reported)}, transfers that completed {sorted(expected)}")
+    failed_load_blocks = {b for job in polled if job.kind == "load" and not job.ok for b in job.gpu_blocks}
+    _require(load_errors == failed_load_blocks, "FAIL",
+             f"step {world.step_no}: invalid blocks reported {sorted(load_errors)}, "
+             f"failed loads wrote {sorted(failed_load_blocks)}")
+    loaded = {job.req_id for job in polled if job.kind == "load" and job.req_id in world.requests}
+    _require(output.finished_recving == loaded, "JOBS",
+             f"step {world.step_no}: finished_recving {sorted(output.finished_recving)}, loads done {sorted(loaded)}")
+    for req_id in output.finished_sending:
+        _require(req_id in world.delayed and not world.executor.of(req_id), "JOBS",
+                 f"step {world.step_no}: finished_sending names {req_id}, which has no delayed free pending "
+                 f"or still has jobs")
+
+
+def lookup(req: Request, num_local: int, num_external: int, is_async: bool) -> None:
+    """LOOKUP — hits are whole blocks and leave at least one prompt token to compute (the engine needs a logit)."""
+    _require(num_external >= 0 and num_local + num_external <= req.num_tokens - 1, "LOOKUP",
+             f"request {req.req_id}: {num_local} local + {num_external} external hit tokens of {req.num_tokens}")
+    _require(num_external == 0 or is_async, "LOOKUP", f"request {req.req_id}: a tier hit must load asynchronously")
+
+
+def quiesce(world: World, obs: Observation | None) -> None:
+    """QUIESCE — once every request finished and every transfer drained, nothing is left behind.
+
+    Prevents leaks that only show after hours: per-request state never dropped, entries pinned forever, blocks
+    never returned to the engine.
+    """
+    leftovers: Iterable[str] = (
+        *(f"request {r}" for r in world.requests), *(f"delayed free of {r}" for r in world.delayed),
+        *(f"job {j.job_id}" for j in world.executor.jobs),
+        *(f"GPU block {b} still referenced" for b, n in enumerate(world.pool.refs) if n),
+    )
+    if obs is not None:
+        leftovers = (*leftovers, *(f"tracked {r}" for r, t in obs.tracked.items() if t),
+                     *(f"cursor of {r}" for r in obs.cursors), *(f"job {j}" for j in obs.jobs),
+                     *(f"key {k:#x} ready={ready} refs={n}" for k, ready, n in obs.tier if not ready or n))
+    leftovers = list(leftovers)
+    _require(not leftovers, "QUIESCE", "left after draining: " + ", ".join(leftovers))

@@ -1,0 +1,19 @@
+"""The configurations the stateful suite runs, one test each so xdist spreads them."""
+
+from kvoffload.spec import Config
+from kvoffload.spec.kit import Scenario
+
+SCENARIOS = {
+    "k1-immediate-ample": Scenario(Config(num_gpu_blocks=16, tier_blocks=64)),
+    "k1-immediate-tiny-tier": Scenario(Config(num_gpu_blocks=12, tier_blocks=1)),
+    "k2-immediate-failures": Scenario(Config(num_gpu_blocks=16, offload_block_size=4, tier_blocks=6), failures=True),
+    "k1-delayed-failures-no-prefix-cache": Scenario(
+        Config(num_gpu_blocks=12, tier_blocks=4, prefix_caching=False), delay=2, failures=True),
+    "k2-delayed": Scenario(Config(num_gpu_blocks=14, offload_block_size=4, tier_blocks=4), delay=3),
+    "k3-delayed-failures-no-prefix-cache": Scenario(
+        Config(num_gpu_blocks=18, offload_block_size=6, tier_blocks=3, prefix_caching=False), delay=1, failures=True),
+}
+
+# Where the known bugs are hunted: transfers held back (so stores are in flight at preemptions and finishes),
+# no GPU prefix cache (so shared prefixes come from the tier and loads pin entries), a tier small enough to refuse.
+HUNT = SCENARIOS["k1-delayed-failures-no-prefix-cache"]
