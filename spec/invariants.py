@@ -119,6 +119,17 @@ def ref(world: World, obs: Observation) -> None:
              f"jobs in flight on keys the tier does not hold: {sorted(set(loads) - listed | storing - listed)}")
 
 
+def atomic(before: tuple, after: tuple, accepted: object) -> None:
+    """ATOMIC — a refused ``prepare_store`` (it returned None) changes nothing: no entry evicted, added, reordered.
+
+    Prevents a refusal for one request from evicting entries another request is about to hit, and stores that
+    half-happened: entries reserved for a store that will never be submitted stay not-ready forever.
+    Tier snapshots are (key, ready, refs) tuples in eviction order.
+    """
+    _require(accepted is not None or before == after, "ATOMIC",
+             f"a refused prepare_store changed the tier\n  before: {before}\n  after:  {after}")
+
+
 def cursor(world: World, obs: Observation) -> None:
     """CURSOR — a request's store cursor never passes its fully computed offload blocks.
 
