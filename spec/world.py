@@ -412,9 +412,9 @@ class World:
                 self.kv.write(block, req.block_hashes[i] if end >= (i + 1) * bs else PARTIAL)
 
     def _apply_worker_output(self, output: WorkerOutput, load_errors: set[int]) -> None:
-        for req_id in output.finished_sending:
+        for req_id in sorted(output.finished_sending):  # sorted: set order must not steer block reuse
             self._release(self.delayed.pop(req_id).blocks)
-        for req_id in output.finished_recving:
+        for req_id in sorted(output.finished_recving):
             req = self.requests[req_id]
             bad = [i for i, b in enumerate(req.blocks) if b in load_errors]
             done = min([req.load_target] + [i * self.config.block_size for i in bad])
