@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 from attrs import define, field
 
-from kvoffload.spec.config import BlockIdError, Config, UnknownRequestError
+from kvoffload.spec.config import BlockIdError, Config, ConfigError, UnknownRequestError
 from kvoffload.spec.types import Copy, Event, Job, Observation, SchedulerOutput, WorkerOutput
 from kvoffload.spec.world import Executor, Request
 
@@ -63,6 +63,8 @@ class ReferenceConnector:
     tier_class = LRUTier
 
     def __init__(self, config: Config) -> None:
+        if config.policy != "lru":
+            raise ConfigError(f"the reference connector implements the 'lru' policy only, not {config.policy!r}")
         self.config = config
         # scheduler side
         self.tier = self.tier_class(config.tier_blocks)
@@ -117,7 +119,6 @@ class ReferenceConnector:
         end_block = (request.num_computed_tokens + num_external_tokens) // bs
         keys = self._keys(request)[first_block // k:end_block // k + (end_block % k > 0)]
         slots = dict(zip(keys, self.tier.prepare_load(keys)))
-        self.tier.touch(keys)
         copies, rows = [], []
         for i in range(first_block, end_block):
             key = self._keys(request)[i // k]
@@ -146,7 +147,6 @@ class ReferenceConnector:
             slots = self.tier.prepare_store(keys)
             if slots is None:
                 continue  # no room for this request's blocks: skip it, never the rest of the batch
-            self.tier.touch(keys)
             if slots:
                 plan.stores.append(self._store_transfer(sched.req_id, first, keys, slots))
 

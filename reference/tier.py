@@ -32,14 +32,10 @@ class LRUTier:
                 return n
         return len(keys)
 
-    def touch(self, keys: list[Key]) -> None:
-        for key in keys:
-            if key in self.slots:
-                self.slots.move_to_end(key)
-
     def prepare_load(self, keys: list[Key]) -> list[int]:
         for key in keys:
             self.slots[key].refs += 1
+            self.slots.move_to_end(key)
         return [self.slots[key].index for key in keys]
 
     def complete_load(self, keys: list[Key]) -> None:
@@ -52,17 +48,18 @@ class LRUTier:
     def prepare_store(self, keys: list[Key]) -> dict[Key, int] | None:
         """Slots for the keys not stored yet, or None (and no change at all) when the tier cannot make room."""
         new = [key for key in keys if key not in self.slots]
-        if not new:
-            return {}
         shortfall = len(new) - len(self.free)
         victims = self.evictable(set(keys))[:max(shortfall, 0)]
-        if self.refuse_next or len(victims) < shortfall:
+        if new and (self.refuse_next or len(victims) < shortfall):
             self.refuse_next = False
             self.refusals += 1
             return None
         self.evict(victims)
-        for key in new:
-            self.slots[key] = Slot(self.free.pop())
+        for key in keys:  # present keys count as used; new ones get a slot
+            if key in self.slots:
+                self.slots.move_to_end(key)
+            else:
+                self.slots[key] = Slot(self.free.pop())
         return {key: self.slots[key].index for key in new}
 
     def evict(self, keys: list[Key]) -> None:

@@ -45,8 +45,8 @@ class Config:
                 f"offload_block_size ({self.offload_block_size} tokens) must be a multiple of "
                 f"block_size ({self.block_size} tokens)"
             )
-        if self.policy not in ("lru",):
-            raise ConfigError(f"unknown eviction policy {self.policy!r}; known: 'lru'")
+        if self.policy not in ("lru", "arc"):
+            raise ConfigError(f"unknown eviction policy {self.policy!r}; known: 'lru', 'arc'")
 
     @property
     def k(self) -> int:

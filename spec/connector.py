@@ -70,7 +70,7 @@ class SpecConnector:
 
     @tier.default
     def _tier(self) -> Tier:
-        return Tier(self.config.tier_blocks)
+        return Tier.with_policy(self.config.policy, self.config.tier_blocks)
 
     # ---- scheduler side ------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -91,7 +91,6 @@ class SpecConnector:
             first, end = req.num_computed_tokens // bs, (req.num_computed_tokens + num_external_tokens) // bs
             job = self._new_job(req.req_id, "load", [(block_ids[i], keys[i // k], i % k) for i in range(first, end)])
             self.tier.prepare_load(job.keys)
-            self.tier.touch(job.keys)
             self.pending_loads.append(job)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SpecMeta:
@@ -114,10 +113,7 @@ class SpecConnector:
         keys = offload_keys(req, self.config)
         start, self.cursors[req.req_id] = self.cursors[req.req_id], max(full, self.cursors[req.req_id])
         accepted = self.tier.prepare_store(keys[start:full])
-        if accepted is None:  # refused for lack of room: skip this request's blocks, nothing else
-            return None
-        self.tier.touch(keys[start:full])
-        if not accepted:  # all present already
+        if not accepted:  # None: refused for lack of room, skip this request only; []: all present already
             return None
         k, table = self.config.k, self.tracked[req.req_id]
         copies = [(table[j * k + s], keys[j], s) for j in range(start, full) if keys[j] in accepted for s in range(k)]
@@ -197,8 +193,9 @@ class SpecConnector:
         return Observation(
             tracked={r: tuple(t) for r, t in self.tracked.items()},
             cursors=dict(self.cursors),
-            tier=tuple((k, e.ready, e.refs) for k, e in self.tier.entries.items()),
+            tier=self.tier.view(),
             jobs=tuple(sorted((j.req_id, j.kind, j.copies) for j in self.jobs.values())),
+            tier_state=self.tier.policy.state(),
         )
 
     def refuse_next_store(self) -> None:

@@ -1,11 +1,14 @@
 """The offload tier: what a CPU tier manager must do (vLLM's ``OffloadingManager`` contract).
 
-Entries are keyed by offload-block hash. A store is two-phase: ``prepare_store`` reserves not-ready entries (all or
-nothing), ``complete_store`` makes them ready or removes them. A load pins ready entries (``prepare_load``) until
-``complete_load``. Eviction is LRU over ready, unpinned entries.
+Entries are keyed by offload-block hash. A store is two-phase: ``prepare_store`` reserves not-ready entries for the
+keys not present (all or nothing) and marks the present ones used; ``complete_store`` makes the reserved entries
+ready, or removes them. A load pins ready entries (``prepare_load``) until ``complete_load``. Only ready, unpinned
+entries are evicted; which ones is the eviction policy's choice: LRU or ARC.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Iterator
 
 from attrs import define, field
 
@@ -20,11 +23,109 @@ class Entry:
 
 
 @define
+class LRU:
+    """Least recently used first."""
+
+    order: dict[Key, None] = field(factory=dict)
+
+    def insert(self, key: Key) -> None:
+        self.order[key] = None
+
+    def touch(self, key: Key) -> None:
+        self.order[key] = self.order.pop(key)
+
+    def remove(self, key: Key) -> None:
+        del self.order[key]
+
+    def victims(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
+        found = [key for key in self.order if evictable(key)][:n]
+        return found if len(found) == n else None
+
+    evict = remove
+
+    def keys(self) -> list[Key]:
+        return list(self.order)
+
+    def state(self) -> tuple:
+        return ()
+
+
+@define
+class ARC:
+    """Adaptive Replacement Cache (Megiddo & Modha): t1 holds keys used once, t2 keys used again; b1/b2 remember
+    keys evicted from each. A new key that was evicted from t1 (found in b1) says t1 is too small: the target size
+    ``p`` of t1 grows; one found in b2 shrinks it. Eviction takes from t1 while t1 is above target, else from t2."""
+
+    capacity: int
+    t1: dict[Key, None] = field(factory=dict)
+    t2: dict[Key, None] = field(factory=dict)
+    b1: dict[Key, None] = field(factory=dict)
+    b2: dict[Key, None] = field(factory=dict)
+    p: int = 0
+
+    def insert(self, key: Key) -> None:
+        if key in self.b1:
+            self.p = min(self.capacity, self.p + max(1, len(self.b2) // len(self.b1)))
+            del self.b1[key]
+        elif key in self.b2:
+            self.p = max(0, self.p - max(1, len(self.b1) // len(self.b2)))
+            del self.b2[key]
+        self.t1[key] = None
+
+    def touch(self, key: Key) -> None:
+        (self.t1 if key in self.t1 else self.t2).pop(key)
+        self.t2[key] = None
+
+    def remove(self, key: Key) -> None:
+        (self.t1 if key in self.t1 else self.t2).pop(key)
+
+    def victims(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
+        from_t1: Iterator[Key] = (k for k in self.t1 if evictable(k))
+        from_t2: Iterator[Key] = (k for k in self.t2 if evictable(k))
+        t1_size, found = len(self.t1), []
+        while len(found) < n:
+            first, second = (from_t1, from_t2) if t1_size > self.p else (from_t2, from_t1)
+            key = next(first, None)
+            if key is None:
+                key = next(second, None)
+            if key is None:
+                return None
+            t1_size -= key in self.t1
+            found.append(key)
+        return found
+
+    def evict(self, key: Key) -> None:
+        resident, ghosts = (self.t1, self.b1) if key in self.t1 else (self.t2, self.b2)
+        del resident[key]
+        ghosts[key] = None
+        if len(ghosts) > self.capacity:
+            del ghosts[next(iter(ghosts))]
+
+    def keys(self) -> list[Key]:
+        return [*self.t1, *self.t2]
+
+    def state(self) -> tuple:
+        return self.p, tuple(self.t1), tuple(self.b1), tuple(self.b2)
+
+
+POLICIES = {"lru": lambda capacity: LRU(), "arc": ARC}
+
+
+@define
 class Tier:
     capacity: int
-    entries: dict[Key, Entry] = field(factory=dict)  # least recently used first
+    policy: LRU | ARC = field()
+    entries: dict[Key, Entry] = field(factory=dict)
     events: list[Event] = field(factory=list)
     refuse_next: bool = False  # fault injection: the next store that needs room is refused
+
+    @policy.default
+    def _lru(self) -> LRU:
+        return LRU()
+
+    @classmethod
+    def with_policy(cls, name: str, capacity: int) -> Tier:
+        return cls(capacity, POLICIES[name](capacity))
 
     def lookup(self, keys: list[Key]) -> int:
         """How many leading keys are ready to load."""
@@ -33,37 +134,39 @@ class Tier:
             n += 1
         return n
 
-    def touch(self, keys: list[Key]) -> None:
-        for key in keys:
-            if key in self.entries:
-                self.entries[key] = self.entries.pop(key)
-
     def prepare_load(self, keys: list[Key]) -> None:
+        """Pin the entries a load reads and mark them used."""
         for key in keys:
             if key not in self.entries or not self.entries[key].ready:
                 raise Violation("LOOKUP", f"key {key:#x} was promised at lookup but is not loadable at alloc")
             self.entries[key].refs += 1
+            self.policy.touch(key)
 
     def complete_load(self, keys: list[Key]) -> None:
         for key in keys:
             self.entries[key].refs -= 1
 
     def prepare_store(self, keys: list[Key]) -> list[Key] | None:
-        """Reserve entries for the keys not already present; None, changing nothing, if there is no room."""
+        """Reserve entries for the keys not present and mark the present ones used; None, changing nothing, if
+        there is no room."""
         fresh = [k for k in keys if k not in self.entries]
-        if not fresh:
-            return []
-        victims = [k for k, e in self.entries.items() if e.ready and e.refs == 0 and k not in keys]
-        short = len(self.entries) + len(fresh) - self.capacity
-        if self.refuse_next or short > len(victims):
+        short = max(len(self.entries) + len(fresh) - self.capacity, 0)
+        victims = self.policy.victims(short, lambda k: self.entries[k].ready and not self.entries[k].refs
+                                      and k not in keys)
+        if fresh and (self.refuse_next or victims is None):
             self.refuse_next = False
             return None
-        for key in victims[:max(short, 0)]:
+        for key in victims or ():
             del self.entries[key]
-        if short > 0:
-            self.events.append(Event("removed", tuple(victims[:short])))
-        for key in fresh:
-            self.entries[key] = Entry()
+            self.policy.evict(key)
+        if victims:
+            self.events.append(Event("removed", tuple(victims)))
+        for key in keys:
+            if key in self.entries:
+                self.policy.touch(key)
+            else:
+                self.entries[key] = Entry()
+                self.policy.insert(key)
         return fresh
 
     def complete_store(self, keys: list[Key], ok: bool) -> None:
@@ -72,5 +175,10 @@ class Tier:
                 self.entries[key].ready = True
             else:
                 del self.entries[key]  # no ghost entry
+                self.policy.remove(key)
         if ok:
             self.events.append(Event("stored", tuple(keys)))
+
+    def view(self) -> tuple[tuple[Key, bool, int], ...]:
+        """(key, ready, refs) in the policy's order: what ``Observation.tier`` reports."""
+        return tuple((k, self.entries[k].ready, self.entries[k].refs) for k in self.policy.keys())

@@ -79,6 +79,7 @@ class Observation:
     cursors: dict[str, int]  # request -> offload blocks already handled (stored, in flight, present, refused)
     tier: tuple[tuple[Key, bool, int], ...]  # (key, ready, ref count), in eviction order
     jobs: tuple[tuple[str, str, tuple[Copy, ...]], ...]  # (request, kind, copies) in flight, sorted
+    tier_state: tuple = ()  # the eviction policy's own state (ARC: target, t1, ghosts)
 
 
 @runtime_checkable

@@ -19,7 +19,6 @@ class BreakOnRefusedStore(ReferenceConnector):
             slots = self.tier.prepare_store(keys)
             if slots is None:
                 break  # the bug: should be `continue`
-            self.tier.touch(keys)
             if slots:
                 plan.stores.append(self._store_transfer(sched.req_id, first, keys, slots))
 

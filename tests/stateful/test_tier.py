@@ -13,10 +13,6 @@ from .faulty import _EvictThenRefuseTier
 KEYS = st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True)
 
 
-def spec_view(tier: Tier) -> tuple:
-    return tuple((k, e.ready, e.refs) for k, e in tier.entries.items())
-
-
 def reference_view(tier: LRUTier) -> tuple:
     return tuple((k, s.ready, s.refs) for k, s in tier.slots.items())
 
@@ -33,10 +29,10 @@ class TierMachine(RuleBasedStateMachine):
     @rule(keys=KEYS, refuse=st.booleans())
     def prepare_store(self, keys, refuse):
         self.spec.refuse_next = self.ref.refuse_next = refuse
-        before = spec_view(self.spec), reference_view(self.ref)
+        before = self.spec.view(), reference_view(self.ref)
         accepted = self.spec.prepare_store(keys)
         slots = self.ref.prepare_store(keys)
-        atomic(before[0], spec_view(self.spec), accepted)
+        atomic(before[0], self.spec.view(), accepted)
         atomic(before[1], reference_view(self.ref), slots)
         assert (accepted is None) == (slots is None)
         if accepted:
@@ -67,14 +63,9 @@ class TierMachine(RuleBasedStateMachine):
         self.spec.complete_load(keys)
         self.ref.complete_load(keys)
 
-    @rule(keys=KEYS)
-    def touch(self, keys):
-        self.spec.touch(keys)
-        self.ref.touch(keys)
-
     @invariant()
     def same_state(self):
-        assert spec_view(self.spec) == reference_view(self.ref)
+        assert self.spec.view() == reference_view(self.ref)
         assert self.spec.events == self.ref.events
         assert len(self.ref.slots) + len(self.ref.free) == self.ref.capacity
         assert len(self.spec.entries) <= self.spec.capacity
