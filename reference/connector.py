@@ -44,9 +44,12 @@ class TransferPlan:
 class TensorKV:
     """GPU KV memory as a real tensor: one row of ``width`` int64 per block, filled from the block's content id."""
 
+    layout = "blocks_first"  # [num_blocks, ...], as vLLM's caches are described to a connector
+
     def __init__(self, num_blocks: int, width: int = 8, device: str = "cpu") -> None:
         self.num_blocks = num_blocks
         self.tensor = torch.full((num_blocks, width), -2, dtype=torch.int64, device=device)
+        self.caches = {"kv": self.tensor}
         self._lanes = torch.arange(width, dtype=torch.int64, device=device) * 0x9E3779B97F4A7C15 % (1 << 61)
 
     def row(self, content: int) -> torch.Tensor:

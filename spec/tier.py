@@ -8,6 +8,7 @@ entries are evicted; which ones is the eviction policy's choice: LRU or ARC.
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Callable, Iterator
 
 from attrs import define, field
@@ -38,7 +39,7 @@ class LRU:
         del self.order[key]
 
     def victims(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
-        found = [key for key in self.order if evictable(key)][:n]
+        found = list(islice((key for key in self.order if evictable(key)), n))
         return found if len(found) == n else None
 
     evict = remove

@@ -176,6 +176,7 @@ class Executor:
     fail_next: bool = False  # the next job to execute fails
     submitted_at: dict[int, int] = field(factory=dict)  # id(job) -> tick of submission
     ticks: int = 0
+    kv: GpuKV | None = None  # where failed loads leave garbage
 
     def submit(self, job: Job) -> None:
         self.jobs.append(job)
@@ -198,6 +199,9 @@ class Executor:
         self.fail_next = False
         if ok:
             job.run()
+        elif job.kind == "load" and self.kv is not None:
+            for block in job.gpu_blocks:  # a load that failed midway leaves garbage behind
+                self.kv.write(block, GARBAGE)
         job.executed, job.ok = True, ok
 
     def advance(self, index: int, fail: bool) -> None:
@@ -266,6 +270,7 @@ class World:
         missing = [name for name in CONNECTOR_METHODS if not callable(getattr(self.connector, name, None))]
         if missing:
             raise TypeError(f"{type(self.connector).__name__} is not a connector: it lacks {', '.join(missing)}")
+        self.executor.kv = self.kv
         self.connector.register_kv_caches(self.kv, self.executor)
 
     # ---- the engine's inputs -------------------------------------------------------------------------------

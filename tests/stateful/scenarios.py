@@ -14,6 +14,14 @@ SCENARIOS = {
         Config(num_gpu_blocks=18, offload_block_size=6, tier_blocks=3, prefix_caching=False), delay=1, failures=True),
 }
 
+ARC_SCENARIOS = {
+    "arc-k1-immediate": Scenario(Config(num_gpu_blocks=14, tier_blocks=4, policy="arc", prefix_caching=False)),
+    "arc-k2-delayed-failures": Scenario(
+        Config(num_gpu_blocks=16, offload_block_size=4, tier_blocks=5, policy="arc"), delay=2, failures=True),
+    "arc-k1-delayed-tiny-tier": Scenario(
+        Config(num_gpu_blocks=12, tier_blocks=2, policy="arc", prefix_caching=False), delay=1),
+}
+
 # Where the known bugs are hunted: transfers held back (so stores are in flight at preemptions and finishes),
 # no GPU prefix cache (so shared prefixes come from the tier and loads pin entries), a tier small enough to refuse.
 HUNT = SCENARIOS["k1-delayed-failures-no-prefix-cache"]

@@ -1,19 +1,37 @@
-"""Spec, reference: every invariant, and the reference equal to the spec after every rule, on real tensor bytes."""
+"""Spec, reference, production connector: every invariant, and exact equality with the spec after every rule, with
+real tensor bytes on the data plane (the production worker in every KV layout vLLM hands out)."""
+
+from functools import partial
 
 import pytest
+import torch
 
+from kvoffload.impl import KVOffloadConnector, LayeredKV
 from kvoffload.reference import ReferenceConnector, TensorKV
 from kvoffload.spec import SpecConnector
 from kvoffload.spec.kit import run_conformance
 
-from .scenarios import SCENARIOS
+from .scenarios import ARC_SCENARIOS, SCENARIOS
+
+LAYOUTS = [  # cycled over the scenarios so every layout and several dtypes meet the suite
+    partial(LayeredKV, shape="kv_first", dtype=torch.bfloat16),
+    partial(LayeredKV, shape="fused", dtype=torch.float16),
+    partial(LayeredKV, shape="mla", dtype=torch.float32),
+    partial(LayeredKV, shape="cross_layer", dtype=torch.float8_e4m3fn),
+]
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", [*SCENARIOS, *ARC_SCENARIOS])
 def test_spec_keeps_its_invariants(name):
-    run_conformance(SpecConnector, SCENARIOS[name], level="invariants")
+    run_conformance(SpecConnector, {**SCENARIOS, **ARC_SCENARIOS}[name], level="invariants")
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_reference_equals_spec(name):
     run_conformance(ReferenceConnector, SCENARIOS[name], level="exact", kv_factory=TensorKV)
+
+
+@pytest.mark.parametrize("i, name", enumerate([*SCENARIOS, *ARC_SCENARIOS]))
+def test_impl_equals_spec(i, name):
+    scenario = {**SCENARIOS, **ARC_SCENARIOS}[name]
+    run_conformance(KVOffloadConnector, scenario, level="exact", kv_factory=LAYOUTS[i % len(LAYOUTS)])

@@ -65,3 +65,28 @@ def test_delayed_frees_do_not_depend_on_set_order():
         world.step()
     assert worlds[0].stats["finished"] == 3
     assert worlds[0].snapshot() == worlds[1].snapshot()
+
+
+def test_impl_load_that_starts_inside_an_offload_block():
+    """Found in k2-immediate-failures: a load whose first offload block is partly on the GPU already (GPU prefix hit
+    of 1 block, offload blocks of 2) has fewer GPU blocks than 2 x keys; the production connector mapped copies to
+    keys by division and raised IndexError. Fixed: each copy carries the index of its key."""
+    from functools import partial
+
+    import torch
+
+    from kvoffload.impl import KVOffloadConnector, LayeredKV
+    from kvoffload.spec.kit import make_machine
+
+    from .scenarios import SCENARIOS
+
+    kv = partial(LayeredKV, shape="mla", dtype=torch.float32)
+    state = make_machine(KVOffloadConnector, SCENARIOS["k2-immediate-failures"], "exact", kv)()
+    state.add_requests(batch=[([0, 1, 0, 1, 2, 2, 0, 0, 0, 0, 0], 9), ([0, 0, 0], 8),
+                              ([1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 0, 1, 0], 1)])
+    state.invariants_hold()
+    state.step(n=4)
+    state.invariants_hold()
+    state.step(n=6)
+    state.invariants_hold()
+    state.teardown()

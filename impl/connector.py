@@ -1,0 +1,38 @@
+"""The production connector in neutral types: scheduler side and worker side in one class, as vLLM builds it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvoffload.spec.config import Config
+from kvoffload.spec.types import Observation
+
+from .scheduler import OffloadScheduler
+from .worker import OffloadWorker
+
+
+class KVOffloadConnector(OffloadScheduler, OffloadWorker):
+    def __init__(self, config: Config) -> None:
+        OffloadScheduler.__init__(self, config)
+        OffloadWorker.__init__(self, config)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for operators: hits, lookups, refusals, evictions, failures, bytes and seconds per direction."""
+        seconds = getattr(self.executor, "seconds", {})
+        return {**self.counters, "alloc_failures": self.tier.refusals, "evictions": self.tier.evictions,
+                "bytes_stored": self.bytes["store"], "bytes_loaded": self.bytes["load"],
+                "store_seconds": seconds.get("store", 0.0), "load_seconds": seconds.get("load", 0.0)}
+
+    # ---- for the conformance kit ----
+    def observe(self) -> Observation:
+        live = {r: s for r, s in self.requests.items() if s.allocated}
+        return Observation(
+            tracked={r: tuple(s.blocks) for r, s in live.items()},
+            cursors={r: s.cursor for r, s in live.items()},
+            tier=self.tier.view(),
+            jobs=tuple(sorted((t.req_id, t.kind, t.copies()) for t in self.unfinished.values())),
+            tier_state=self.tier.policy.state(),
+        )
+
+    def refuse_next_store(self) -> None:
+        self.tier.refuse_next = True

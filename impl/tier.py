@@ -1,0 +1,85 @@
+"""The production CPU tier: slot arrays, O(1) lookups, eviction work proportional to the victims.
+
+Which entries to evict is the eviction policy's decision; the policies are the spec's own (``kvoffload.spec.tier``
+LRU and ARC, whose victim search stops as soon as it has enough), so the tier here only adds what production
+needs: host slots, counters, events.
+"""
+
+from __future__ import annotations
+
+from kvoffload.spec.tier import POLICIES
+from kvoffload.spec.types import Event, Key
+
+
+class OffloadTier:
+    def __init__(self, capacity: int, policy: str = "lru") -> None:
+        self.capacity = capacity
+        self.policy = POLICIES[policy](capacity)
+        self.slot_of: dict[Key, int] = {}
+        self.ready = bytearray(capacity)  # by slot
+        self.refs = [0] * capacity  # by slot: in-flight loads
+        self.free = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest slot
+        self.events: list[Event] = []
+        self.refuse_next = False
+        self.refusals = self.evictions = 0
+
+    def is_ready(self, key: Key) -> bool:
+        slot = self.slot_of.get(key)
+        return slot is not None and bool(self.ready[slot])
+
+    def _evictable(self, key: Key) -> bool:
+        slot = self.slot_of[key]
+        return bool(self.ready[slot]) and not self.refs[slot]
+
+    def prepare_load(self, keys: list[Key]) -> list[int]:
+        slots = []
+        for key in keys:
+            slot = self.slot_of[key]
+            self.refs[slot] += 1
+            self.policy.touch(key)
+            slots.append(slot)
+        return slots
+
+    def complete_load(self, keys: list[Key]) -> None:
+        for key in keys:
+            self.refs[self.slot_of[key]] -= 1
+
+    def prepare_store(self, keys: list[Key]) -> dict[Key, int] | None:
+        """Host slots for the keys not present (present ones count as used); None and no change if no room."""
+        new = [key for key in keys if key not in self.slot_of]
+        short = len(new) - len(self.free)
+        victims: list[Key] | None = []
+        if short > 0:
+            protected = set(keys)
+            victims = self.policy.victims(short, lambda k: k not in protected and self._evictable(k))
+        if new and (self.refuse_next or victims is None):
+            self.refuse_next = False
+            self.refusals += 1
+            return None
+        if victims:
+            for key in victims:
+                self.free.append(self.slot_of.pop(key))
+                self.policy.evict(key)
+            self.evictions += len(victims)
+            self.events.append(Event("removed", tuple(victims)))
+        for key in keys:
+            if key in self.slot_of:
+                self.policy.touch(key)
+            else:
+                slot = self.slot_of[key] = self.free.pop()
+                self.ready[slot] = 0
+                self.policy.insert(key)
+        return {key: self.slot_of[key] for key in new}
+
+    def complete_store(self, keys: list[Key], success: bool) -> None:
+        for key in keys:
+            if success:
+                self.ready[self.slot_of[key]] = 1
+            else:
+                self.free.append(self.slot_of.pop(key))
+                self.policy.remove(key)
+        if success:
+            self.events.append(Event("stored", tuple(keys)))
+
+    def view(self) -> tuple[tuple[Key, bool, int], ...]:
+        return tuple((k, bool(self.ready[self.slot_of[k]]), self.refs[self.slot_of[k]]) for k in self.policy.keys())

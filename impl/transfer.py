@@ -1,0 +1,163 @@
+"""Moving KV blocks between the engine's cache tensors and one host pool.
+
+A GPU block occupies one byte span in each *view*: a ``[num_blocks, bytes]`` uint8 view of a cache tensor (two per
+layer for the K/V-split layout ``[2, num_blocks, ...]``; one for ``[num_blocks, ...]`` layouts: fused K/V, MLA, or
+one cross-layer tensor). The host pool is one allocation (pinned when CUDA is present) carved into one
+``[rows, bytes]`` region per view, so a run of consecutive blocks going to consecutive rows is one contiguous copy.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping
+
+import numpy as np
+import torch
+
+from kvoffload.spec.config import BlockIdError, ConfigError
+from kvoffload.spec.types import Job
+
+LAYOUTS = ("blocks_first", "kv_first")  # [num_blocks, ...] / [2, num_blocks, ...]
+
+
+def block_views(caches: Mapping[str, torch.Tensor], layout: str) -> list[torch.Tensor]:
+    """``[num_blocks, bytes]`` uint8 views of every region a block occupies, in a fixed order."""
+    if layout not in LAYOUTS:
+        raise ConfigError(f"unknown KV layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    views = []
+    for name, tensor in caches.items():
+        for part in ((tensor[0], tensor[1]) if layout == "kv_first" else (tensor,)):
+            if not part.is_contiguous():
+                raise ConfigError(f"KV cache {name!r} is not contiguous: blocks cannot be copied as byte spans")
+            views.append(part.reshape(part.shape[0], -1).view(torch.uint8))
+    if not views or len({v.shape[0] for v in views}) != 1:
+        raise ConfigError(f"KV caches disagree on the number of blocks: {[tuple(v.shape) for v in views]}")
+    return views
+
+
+def runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the maximal runs where both indices advance by one."""
+    if len(src) == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist()))
+
+
+class HostPool:
+    """One host allocation with a ``[rows, bytes]`` region per view."""
+
+    def __init__(self, views: list[torch.Tensor], rows: int) -> None:
+        widths = [v.shape[1] for v in views]
+        pin = any(v.is_cuda for v in views)
+        self.buffer = torch.empty(rows * sum(widths), dtype=torch.uint8, pin_memory=pin)
+        self.regions, offset = [], 0
+        for width in widths:
+            self.regions.append(self.buffer[offset:offset + rows * width].view(rows, width))
+            offset += rows * width
+        self.row_bytes = sum(widths)
+
+
+class Copier:
+    """Copies blocks between the views and the host regions: one copy per run of consecutive blocks, or one
+    gather/scatter per view when the blocks are scattered (CPU only: across devices that would need staging)."""
+
+    def __init__(self, views: list[torch.Tensor], pool: HostPool) -> None:
+        self.views, self.pool = views, pool
+        self.num_blocks = views[0].shape[0]
+        self.on_cuda = views[0].is_cuda
+
+    def check(self, blocks: np.ndarray) -> None:
+        if len(blocks) and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
+            raise BlockIdError(f"GPU block ids {blocks.tolist()} out of range [0, {self.num_blocks})")
+
+    def plan(self, kind: str, blocks: np.ndarray, rows: np.ndarray) -> Callable[[], None]:
+        """A closure that performs the copy; all indexing work is done here, at submit time."""
+        if kind == "store":
+            src_idx, dst_idx, pairs = blocks, rows, list(zip(self.pool.regions, self.views))  # (dst, src)
+        else:
+            src_idx, dst_idx, pairs = rows, blocks, list(zip(self.views, self.pool.regions))
+        spans = runs(src_idx, dst_idx)
+        if self.on_cuda or 4 * len(spans) <= max(len(blocks), 4):
+
+            def copy_runs() -> None:
+                for dst, src in pairs:
+                    for s, d, n in spans:
+                        dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+            return copy_runs
+        src_t, dst_t = torch.from_numpy(src_idx), torch.from_numpy(dst_idx)
+
+        def gather_scatter() -> None:
+            for dst, src in pairs:
+                dst.index_copy_(0, dst_t, src.index_select(0, src_t))
+        return gather_scatter
+
+
+class InlineExecutor:
+    """Runs each transfer at submit (CPU tensors: the copy is synchronous). A copy that raises is a failed
+    transfer, reported as such; it never propagates into the engine."""
+
+    def __init__(self) -> None:
+        self.done: list[tuple[int, bool]] = []
+        self.seconds = {"store": 0.0, "load": 0.0}
+
+    def submit(self, job: Job) -> None:
+        start = time.perf_counter()
+        try:
+            job.run()
+            ok = True
+        except Exception:  # noqa: BLE001 - any copy failure becomes success=False
+            ok = False
+        self.seconds[job.kind] += time.perf_counter() - start
+        self.done.append((job.job_id, ok))
+
+    def flush(self, job_ids: set[int]) -> None:
+        pass  # everything already ran
+
+    def poll(self) -> list[tuple[int, bool]]:
+        done, self.done = self.done, []
+        return done
+
+
+class CudaStreamExecutor:
+    """One stream per direction. A store first waits for the compute stream (the forward pass writes the blocks it
+    reads); completion is an event, polled without blocking. Only a flush (preemption) synchronises."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.streams = {kind: torch.cuda.Stream(device) for kind in ("store", "load")}
+        self.in_flight: list[tuple[Job, torch.cuda.Event, torch.cuda.Event, bool]] = []
+        self.seconds = {"store": 0.0, "load": 0.0}
+
+    def submit(self, job: Job) -> None:
+        stream = self.streams[job.kind]
+        if job.kind == "store":
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            try:
+                job.run()
+                ok = True
+            except Exception:  # noqa: BLE001 - a failed launch is a failed transfer
+                ok = False
+            end.record(stream)
+        self.in_flight.append((job, start, end, ok))
+
+    def flush(self, job_ids: set[int]) -> None:
+        for job, _start, end, _ok in self.in_flight:
+            if job.job_id in job_ids:
+                end.synchronize()
+
+    def poll(self) -> list[tuple[int, bool]]:
+        done, pending = [], []
+        for item in self.in_flight:
+            job, start, end, ok = item
+            if end.query():
+                self.seconds[job.kind] += start.elapsed_time(end) / 1000
+                done.append((job.job_id, ok))
+            else:
+                pending.append(item)
+        self.in_flight = pending
+        return done
