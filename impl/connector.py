@@ -30,7 +30,7 @@ class KVOffloadConnector(OffloadScheduler, OffloadWorker):
             tracked={r: tuple(s.blocks) for r, s in live.items()},
             cursors={r: s.cursor for r, s in live.items()},
             tier=self.tier.view(),
-            jobs=tuple(sorted((t.req_id, t.kind, t.copies()) for t in self.unfinished.values())),
+            jobs=tuple(sorted((t.req_id, t.kind, tuple(t.copies)) for t in self.unfinished.values())),
             tier_state=self.tier.policy.state(),
         )
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import numpy as np
 from attrs import define, field
 
 from kvoffload.spec.config import Config, UnknownRequestError
@@ -34,14 +33,12 @@ class TransferSpec:
     req_id: str
     kind: str  # "store" | "load"
     keys: list[int]  # distinct, in order
-    blocks: np.ndarray  # GPU block ids
-    rows: np.ndarray  # host rows, one per GPU block
-    key_of: np.ndarray  # for each GPU block, the index of its key in ``keys``
-    subs: np.ndarray  # for each GPU block, its index inside its offload block
+    copies: list[Copy]  # (GPU block, key, index of that GPU block inside its offload block)
+    rows: list[int]  # host row of each copy
 
-    def copies(self) -> tuple[Copy, ...]:
-        return tuple((b, self.keys[i], s) for b, i, s in zip(self.blocks.tolist(), self.key_of.tolist(),
-                                                              self.subs.tolist()))
+    @property
+    def blocks(self) -> list[int]:
+        return [block for block, _key, _sub in self.copies]
 
 
 @define
@@ -91,18 +88,16 @@ class OffloadScheduler:
         if num_external_tokens:
             first = request.num_computed_tokens // self.block_size
             end = (request.num_computed_tokens + num_external_tokens) // self.block_size
-            k, hashes = self.k, request.block_hashes
-            keys = [hashes[j * k + k - 1] for j in range(first // k, end // k)]
+            k, hashes, base = self.k, request.block_hashes, first // self.k
+            keys = [hashes[j * k + k - 1] for j in range(base, end // k)]
             slots = self.tier.prepare_load(keys)
-            positions = np.arange(first, end)
-            key_of = positions // k - first // k
-            rows = np.asarray(slots)[key_of] * k + positions % k
-            self._loads.append(self._transfer(state, "load", keys, np.asarray(block_ids[first:end]), rows,
-                                              key_of, positions % k))
+            copies = [(block_ids[p], keys[p // k - base], p % k) for p in range(first, end)]
+            rows = [slots[p // k - base] * k + p % k for p in range(first, end)]
+            self._loads.append(self._transfer(state, "load", keys, copies, rows))
 
-    def _transfer(self, state: RequestState, kind: str, keys: list[int], blocks: np.ndarray, rows: np.ndarray,
-                  key_of: np.ndarray, subs: np.ndarray) -> TransferSpec:
-        spec = TransferSpec(next(self._job_ids), state.request.req_id, kind, keys, blocks, rows, key_of, subs)
+    def _transfer(self, state: RequestState, kind: str, keys: list[int], copies: list[Copy],
+                  rows: list[int]) -> TransferSpec:
+        spec = TransferSpec(next(self._job_ids), state.request.req_id, kind, keys, copies, rows)
         self.unfinished[spec.job_id] = spec
         state.jobs += 1
         return spec
@@ -133,11 +128,14 @@ class OffloadScheduler:
         slots = self.tier.prepare_store(keys)
         if not slots:  # None: refused, this request only; {}: all present
             return None
-        offsets = np.asarray([j for j, key in enumerate(keys, start=first) if key in slots])
-        key_of, subs = np.repeat(np.arange(len(offsets)), k), np.tile(np.arange(k), len(offsets))
-        blocks = np.asarray(state.blocks)[offsets[key_of] * k + subs]
-        rows = np.asarray(list(slots.values()))[key_of] * k + subs
-        return self._transfer(state, "store", list(slots), blocks, rows, key_of, subs)
+        table, copies, rows = state.blocks, [], []
+        for j, key in enumerate(keys, start=first):
+            slot = slots.get(key)
+            if slot is not None:
+                for sub in range(k):
+                    copies.append((table[j * k + sub], key, sub))
+                    rows.append(slot * k + sub)
+        return self._transfer(state, "store", list(slots), copies, rows)
 
     def update_connector_output(self, output: WorkerOutput) -> None:
         for job_id, success in output.job_results:
@@ -149,10 +147,10 @@ class OffloadScheduler:
                 state.jobs -= 1
             if spec.kind == "store":
                 self.tier.complete_store(spec.keys, success)
-                self.counters["stored_blocks" if success else "failed_stores"] += len(spec.blocks)
+                self.counters["stored_blocks" if success else "failed_stores"] += len(spec.copies)
             else:
                 self.tier.complete_load(spec.keys)
-                self.counters["loaded_blocks" if success else "failed_loads"] += len(spec.blocks)
+                self.counters["loaded_blocks" if success else "failed_loads"] += len(spec.copies)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         state = self._state(request.req_id)

@@ -67,6 +67,7 @@ class Copier:
         self.views, self.pool = views, pool
         self.num_blocks = views[0].shape[0]
         self.on_cuda = views[0].is_cuda
+        self.large_run = 256 * 1024  # bytes per run above which per-run copies beat indexed ones (CPU)
 
     def check(self, blocks: np.ndarray) -> None:
         if len(blocks) and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
@@ -79,19 +80,33 @@ class Copier:
         else:
             src_idx, dst_idx, pairs = rows, blocks, list(zip(self.views, self.pool.regions))
         spans = runs(src_idx, dst_idx)
-        if self.on_cuda or 4 * len(spans) <= max(len(blocks), 4):
+        run_bytes = self.pool.row_bytes // len(pairs) * len(blocks) // max(len(spans), 1)
+        if self.on_cuda or run_bytes >= self.large_run:  # few large copies: each one is a memcpy (or a DMA)
 
             def copy_runs() -> None:
                 for dst, src in pairs:
                     for s, d, n in spans:
                         dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
             return copy_runs
+        # many small runs: one indexed copy per view, straight into place when one side is contiguous
         src_t, dst_t = torch.from_numpy(src_idx), torch.from_numpy(dst_idx)
+        if _contiguous(dst_idx):
+            d0 = int(dst_idx[0])
 
-        def gather_scatter() -> None:
+            def gather() -> None:
+                for dst, src in pairs:
+                    torch.index_select(src, 0, src_t, out=dst[d0:d0 + len(dst_idx)])
+            return gather
+        s0, src_is_run = int(src_idx[0]), _contiguous(src_idx)
+
+        def scatter() -> None:
             for dst, src in pairs:
-                dst.index_copy_(0, dst_t, src.index_select(0, src_t))
-        return gather_scatter
+                dst.index_copy_(0, dst_t, src[s0:s0 + len(src_idx)] if src_is_run else src.index_select(0, src_t))
+        return scatter
+
+
+def _contiguous(idx: np.ndarray) -> bool:
+    return bool(len(idx)) and int(idx[-1]) - int(idx[0]) == len(idx) - 1 and bool((np.diff(idx) == 1).all())
 
 
 class InlineExecutor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from kvoffload.spec.config import Config
 from kvoffload.spec.types import Job, WorkerOutput
 
@@ -47,13 +49,14 @@ class OffloadWorker:
             self._submit(spec)
 
     def _submit(self, spec: TransferSpec) -> None:
-        self.copier.check(spec.blocks)
-        run = self.copier.plan(spec.kind, spec.blocks, spec.rows)
+        blocks = np.fromiter(spec.blocks, dtype=np.int64, count=len(spec.copies))
+        self.copier.check(blocks)
+        run = self.copier.plan(spec.kind, blocks, np.asarray(spec.rows, dtype=np.int64))
         self.submitted[spec.job_id] = spec
         self.pending[spec.req_id] += 1
         if spec.kind == "store":
             self.stores_of.setdefault(spec.req_id, set()).add(spec.job_id)
-        self.executor.submit(Job(spec.job_id, spec.req_id, spec.kind, spec.copies(), run))
+        self.executor.submit(Job(spec.job_id, spec.req_id, spec.kind, tuple(spec.copies), run))
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
         self.draining |= {r for r in finished_req_ids if self.pending[r]}
@@ -65,9 +68,9 @@ class OffloadWorker:
             if spec.kind == "load":
                 recving.add(spec.req_id)
                 if not success:
-                    self.invalid_blocks.update(spec.blocks.tolist())
+                    self.invalid_blocks.update(spec.blocks)
             if success:
-                self.bytes[spec.kind] += len(spec.blocks) * self.copier.pool.row_bytes
+                self.bytes[spec.kind] += len(spec.copies) * self.copier.pool.row_bytes
         sending = {r for r in self.draining if not self.pending[r]}
         self.draining -= sending
         recving -= self.draining | sending | finished_req_ids

@@ -49,7 +49,7 @@ class LRUTier:
         """Slots for the keys not stored yet, or None (and no change at all) when the tier cannot make room."""
         new = [key for key in keys if key not in self.slots]
         shortfall = len(new) - len(self.free)
-        victims = self.evictable(set(keys))[:max(shortfall, 0)]
+        victims = self.evictable(set(keys))[:shortfall] if shortfall > 0 else []
         if new and (self.refuse_next or len(victims) < shortfall):
             self.refuse_next = False
             self.refusals += 1

@@ -72,13 +72,16 @@ def test_failed_load_reports_its_blocks_invalid(monkeypatch):
     assert [refs for _k, _ready, refs in connector.tier.view()] == [0, 0]  # unpinned again
 
 
+@pytest.mark.parametrize("large_run", [0, 1 << 30], ids=["per-run-copies", "indexed-copies"])
 @pytest.mark.parametrize("shape", ["kv_first", "fused", "mla", "cross_layer"])
-@pytest.mark.parametrize("blocks, rows", [([0, 1, 2, 3], [4, 5, 6, 7]), ([7, 2, 5, 0], [0, 6, 1, 3])])
-def test_store_then_load_round_trips_bytes(shape, blocks, rows):
+@pytest.mark.parametrize("blocks, rows", [([0, 1, 2, 3], [4, 5, 6, 7]), ([7, 2, 5, 0], [0, 6, 1, 3]),
+                                          ([1, 2, 5, 6], [2, 3, 4, 7])])
+def test_store_then_load_round_trips_bytes(shape, blocks, rows, large_run):
     kv = LayeredKV(8, shape=shape, dtype=torch.bfloat16)
     for b in range(8):
         kv.write(b, 1000 + b)
     copier = Copier(kv.views, HostPool(kv.views, 8))
+    copier.large_run = large_run
     blocks, rows = np.asarray(blocks), np.asarray(rows)
     copier.plan("store", blocks, rows)()
     targets = np.asarray([1, 3, 4, 6])

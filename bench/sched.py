@@ -1,0 +1,142 @@
+"""Scheduler-side cost of the production connector vs the reference, on one recorded world-model trace.
+
+For each number of live requests, the world model runs a prefix-heavy decode workload with the spec connector and
+records every scheduler-side call (lookups, allocations, batches, transfer results, finishes). The trace is then
+replayed through the reference and the production connector in this process, timing only the connector's own
+calls. Prints µs per step and µs per changed block (GPU block ids the batch hands the connector); last line:
+``sched_ratio_vs_reference=<impl/reference>``, the worse of the ratios at 256 and 1024 live requests.
+
+    python bench/sched.py [--steps 60] [--live 16 64 256 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from typing import Any
+
+from attrs import define
+
+from kvoffload.impl import KVOffloadConnector
+from kvoffload.reference import ReferenceConnector
+from kvoffload.spec import Config, Executor, ListKV, SpecConnector, World
+
+REQUEST_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished")
+CALLS = (*REQUEST_CALLS, "build_connector_meta", "update_connector_output")
+
+
+@define
+class ReplayRequest:
+    """What a connector reads from a request, rebuilt call by call from the trace."""
+
+    req_id: str
+    block_hashes: list[int]
+    num_tokens: int = 0
+    num_computed_tokens: int = 0
+
+
+class Recorder:
+    """Wraps the spec connector and writes down each scheduler-side call with the request state it saw."""
+
+    def __init__(self, connector: SpecConnector, world: World) -> None:
+        self.connector, self.world, self.trace = connector, world, []
+        self.steps = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.connector, name)
+        if name not in CALLS:
+            return attr
+
+        def record(*args: Any) -> Any:
+            stored = (args[0].req_id, *args[1:]) if name in REQUEST_CALLS else args
+            self.trace.append((name, self._requests(), stored))
+            return attr(*args)
+        return record
+
+    def _requests(self) -> dict[str, tuple[int, int, int]]:
+        return {r.req_id: (len(r.block_hashes), r.num_tokens, r.num_computed_tokens)
+                for r in self.world.requests.values()}
+
+
+def record_trace(live: int, steps: int, seed: int = 0) -> tuple[Config, list, int, dict[str, list[int]]]:
+    """The whole trace, and where its last ``steps`` steps (the measured part) begin."""
+    config = Config(num_gpu_blocks=live * 40, block_size=16, offload_block_size=16, tier_blocks=live * 24,
+                    token_budget=live + 4096)
+    rnd = random.Random(seed)
+    prefixes = [[rnd.randrange(3) for _ in range(256)] for _ in range(8)]
+    connector = SpecConnector(config)
+    world = World(config, connector, ListKV(config.num_gpu_blocks), Executor(delay=1))
+    recorder = Recorder(connector, world)
+    world.connector = recorder
+    hashes: dict[str, list[int]] = {}
+
+    def top_up() -> None:
+        while len(world.requests) < live:
+            prompt = rnd.choice(prefixes)[:rnd.randrange(32, 256)] + [rnd.randrange(3) for _ in range(16)]
+            req = world.add_request(prompt, rnd.randrange(32, 160))
+            hashes[req.req_id] = req.block_hashes  # the live list: complete at the end
+
+    for _ in range(steps * 3):  # warm up until the batch is mostly decodes; then measure `steps` steps
+        top_up()
+        world.step()
+    measured_from = len(recorder.trace)
+    for _ in range(steps):
+        top_up()
+        world.step()
+    return config, recorder.trace, measured_from, hashes
+
+
+def replay(connector_class: type, config: Config, trace: list, measured_from: int,
+           hashes: dict[str, list[int]]) -> tuple[float, int]:
+    """Seconds spent inside the connector's scheduler side over the measured steps, and changed blocks seen."""
+    connector = connector_class(config)
+    requests: dict[str, ReplayRequest] = {}
+    spent, changed = 0.0, 0
+    for i, (name, states, args) in enumerate(trace):
+        for req_id, (n_hashes, n_tokens, n_computed) in states.items():
+            req = requests.get(req_id) or requests.setdefault(req_id, ReplayRequest(req_id, []))
+            if len(req.block_hashes) < n_hashes:
+                req.block_hashes.extend(hashes[req_id][len(req.block_hashes):n_hashes])
+            req.num_tokens, req.num_computed_tokens = n_tokens, n_computed
+        if name in REQUEST_CALLS:
+            args = (requests[args[0]], *args[1:])
+        method = getattr(connector, name)
+        if i < measured_from:
+            method(*args)
+            continue
+        if name == "build_connector_meta":
+            changed += sum(len(s.block_ids or ()) for s in args[0].scheduled)
+        start = time.perf_counter()
+        method(*args)
+        spent += time.perf_counter() - start
+    return spent, changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="scheduler-side cost, production vs reference")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--live", type=int, nargs="+", default=[16, 64, 256, 1024])
+    args = parser.parse_args(argv)
+    ratios = {}
+    print(f"{'live':>6} {'steps':>6} {'changed':>8} {'ref µs/step':>12} {'impl µs/step':>13} "
+          f"{'ref µs/blk':>11} {'impl µs/blk':>12} {'impl/ref':>9}")
+    for live in args.live:
+        print(f"  recording {args.steps} steps with {live} live requests...", file=sys.stderr, flush=True)
+        config, trace, measured_from, hashes = record_trace(live, args.steps)
+        ref, changed = min(replay(ReferenceConnector, config, trace, measured_from, hashes) for _ in range(3))
+        impl, _ = min(replay(KVOffloadConnector, config, trace, measured_from, hashes) for _ in range(3))
+        ratios[live] = impl / ref
+        steps = args.steps
+        print(f"{live:>6} {steps:>6} {changed:>8} {ref / steps * 1e6:>12.1f} {impl / steps * 1e6:>13.1f} "
+              f"{ref / changed * 1e6:>11.2f} {impl / changed * 1e6:>12.2f} {impl / ref:>9.2f}", flush=True)
+    for live, ratio in ratios.items():
+        print(f"sched_ratio_vs_reference_{live}={ratio:.3f}")
+    worst = max((ratios[n] for n in (256, 1024) if n in ratios), default=max(ratios.values()))
+    print(f"sched_ratio_vs_reference={worst:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The production transfer layer on a real GPU: pinned host pool, one CUDA stream per direction, event polling.
+
+Skipped where CUDA is absent; everything here needs a device and real streams (no mocks)."""
+
+import functools
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload.impl import KVOffloadConnector, LayeredKV
+from kvoffload.impl.kv import SHAPES
+from kvoffload.impl.transfer import Copier, CudaStreamExecutor, HostPool
+from kvoffload.spec import Config, Job
+from kvoffload.spec.kit import Scenario, run_conformance
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device (torch.cuda.is_available() is False)")
+
+
+@functools.cache
+def cycles_per_second() -> float:
+    """GPU clock as torch.cuda._sleep sees it, measured once, so sleeps can be asked for in seconds."""
+    torch.cuda._sleep(1000)  # load the kernel first
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(100_000_000)
+    end.record()
+    end.synchronize()
+    return 100_000_000 / (start.elapsed_time(end) / 1000)
+
+
+def gpu_sleep(seconds: float) -> None:
+    """Keep the current stream busy for about ``seconds``: work queued after this on it runs late."""
+    torch.cuda._sleep(int(seconds * cycles_per_second()))
+
+
+def setup(shape="kv_first", dtype=torch.bfloat16, num_blocks=16, rows=12):
+    kv = LayeredKV(num_blocks, shape=shape, dtype=dtype, device="cuda")
+    for block in range(num_blocks):
+        kv.write(block, 1000 + block)
+    copier = Copier(kv.views, HostPool(kv.views, rows))
+    torch.cuda.synchronize()  # the load stream does not wait for the current one: let these writes land first
+    return kv, copier, CudaStreamExecutor(kv.views[0].device)
+
+
+def job(copier, job_id, kind, blocks, rows):
+    run = copier.plan(kind, np.asarray(blocks, dtype=np.int64), np.asarray(rows, dtype=np.int64))
+    return Job(job_id, f"r{job_id}", kind, (), run)
+
+
+def wait_for(executor, job_ids, timeout=10.0):
+    """Poll (never synchronise) until every job is reported; {job id: ok}."""
+    results, deadline = [], time.monotonic() + timeout
+    while {j for j, _ in results} != set(job_ids):
+        assert time.monotonic() < deadline, f"jobs {sorted(job_ids)} not all reported after {timeout}s: {results}"
+        results += executor.poll()
+        time.sleep(0.001)
+    return dict(results)
+
+
+def host_row(copier, row):
+    return torch.cat([region[row] for region in copier.pool.regions])
+
+
+def gpu_block(kv, block):
+    return torch.cat([view[block] for view in kv.views]).cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_store_then_load_round_trips_on_streams(shape, dtype):
+    kv, copier, executor = setup(shape, dtype)
+    assert copier.pool.buffer.is_pinned()  # async copies to pageable memory would silently synchronise
+    # scattered ids, with one run (2, 3, 4 -> rows 5, 6, 7) that coalesces into a single copy
+    sources, rows, targets = [13, 2, 3, 4, 0, 9], [0, 5, 6, 7, 11, 2], [1, 5, 6, 7, 14, 15]
+    executor.submit(job(copier, 1, "store", sources, rows))
+    assert wait_for(executor, [1]) == {1: True}
+    for block, row in zip(sources, rows):
+        assert torch.equal(host_row(copier, row), gpu_block(kv, block))
+    executor.submit(job(copier, 2, "load", targets, rows))
+    assert wait_for(executor, [2]) == {2: True}
+    for source, target in zip(sources, targets):
+        assert kv.holds(target, 1000 + source)
+    for block in set(range(16)) - set(targets):  # nothing else was touched
+        assert kv.holds(block, 1000 + block)
+
+
+def test_store_waits_for_the_compute_stream():
+    kv, copier, executor = setup()
+    gpu_sleep(0.5)  # the forward pass is still running...
+    kv.write(3, 2222)  # ...and writes block 3 only at its end, on the same (current) stream
+    executor.submit(job(copier, 1, "store", [3], [0]))  # a store that did not wait would copy content 1003
+    assert wait_for(executor, [1]) == {1: True}
+    assert kv.holds(3, 2222)
+    assert torch.equal(host_row(copier, 0), gpu_block(kv, 3))
+
+
+def test_poll_does_not_block_and_flush_does():
+    _kv, copier, executor = setup()
+    gpu_sleep(1.0)
+    executor.submit(job(copier, 1, "store", [3], [0]))  # queued behind the sleep
+    start = time.perf_counter()
+    assert executor.poll() == []
+    assert time.perf_counter() - start < 0.1
+    torch.cuda.synchronize()
+    assert executor.poll() == [(1, True)]
+
+    gpu_sleep(1.0)
+    executor.submit(job(copier, 2, "store", [4], [1]))
+    executor.flush({99})  # another job: must not wait for this one
+    assert executor.poll() == []
+    executor.flush({2})  # preemption: job 2 is done when flush returns
+    assert executor.poll() == [(2, True)]
+
+
+def test_a_job_that_raises_is_reported_failed_not_raised():
+    _kv, copier, executor = setup()
+
+    def broken() -> None:
+        raise RuntimeError("copy launch failed")
+
+    executor.submit(job(copier, 1, "store", [1, 2], [0, 1]))
+    executor.submit(Job(2, "r2", "load", (), broken))
+    executor.submit(job(copier, 3, "load", [5, 6], [4, 5]))  # other rows: loads do not wait for stores
+    assert wait_for(executor, [1, 2, 3]) == {1: True, 2: False, 3: True}
+    assert executor.poll() == []  # each job is reported exactly once
+
+
+def test_connector_conforms_on_cuda():
+    scenario = Scenario(Config(num_gpu_blocks=12, tier_blocks=4, prefix_caching=False), delay=2, failures=True)
+    run_conformance(KVOffloadConnector, scenario, level="exact",
+                    kv_factory=functools.partial(LayeredKV, shape="kv_first", device="cuda"), max_examples=20)
