@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test stateful variants clean
+.PHONY: install demo test stateful variants bench gpu-check clean
 
 install: $(STAMP)
 
@@ -25,6 +25,13 @@ stateful: $(STAMP)
 
 variants: $(STAMP)
 	$(PY) -m pytest -s -q tests/stateful/test_faulty_variants.py
+
+bench: $(STAMP)
+	$(PY) bench/sched.py
+	$(PY) bench/cpu_copy.py
+
+gpu-check: $(STAMP)
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .hypothesis .pytest_cache

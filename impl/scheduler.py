@@ -107,14 +107,15 @@ class OffloadScheduler:
         for req_id in scheduler_output.preempted_req_ids:
             state = self._state(req_id)
             state.blocks, state.cursor = [], 0
-        for sched in scheduler_output.scheduled:
-            state = self._state(sched.req_id)
+        requests, size = self.requests, self.offload_size
+        for sched in scheduler_output.scheduled:  # the hot loop: most requests only decode a token
+            state = requests.get(sched.req_id) or self._state(sched.req_id)
             if sched.kind == "running":
                 if sched.block_ids:
                     state.blocks += sched.block_ids
             else:
                 state.blocks, state.cursor = list(sched.block_ids), 0
-            full = (sched.num_computed_tokens + sched.num_scheduled_tokens) // self.offload_size
+            full = (sched.num_computed_tokens + sched.num_scheduled_tokens) // size
             if full > state.cursor:
                 store = self._store(state, full)
                 if store is not None:

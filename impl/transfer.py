@@ -67,7 +67,7 @@ class Copier:
         self.views, self.pool = views, pool
         self.num_blocks = views[0].shape[0]
         self.on_cuda = views[0].is_cuda
-        self.large_run = 256 * 1024  # bytes per run above which per-run copies beat indexed ones (CPU)
+        self.large_run = 16 * 1024  # bytes per run from which per-run copies beat indexed ones (measured, CPU)
 
     def check(self, blocks: np.ndarray) -> None:
         if len(blocks) and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
@@ -81,7 +81,9 @@ class Copier:
             src_idx, dst_idx, pairs = rows, blocks, list(zip(self.views, self.pool.regions))
         spans = runs(src_idx, dst_idx)
         run_bytes = self.pool.row_bytes // len(pairs) * len(blocks) // max(len(spans), 1)
-        if self.on_cuda or run_bytes >= self.large_run:  # few large copies: each one is a memcpy (or a DMA)
+        if self.on_cuda and run_bytes < self.large_run:
+            return self._plan_staged(kind, pairs, src_idx, dst_idx)
+        if run_bytes >= self.large_run or self.on_cuda:  # few large copies: each one is a memcpy (or a DMA)
 
             def copy_runs() -> None:
                 for dst, src in pairs:
@@ -107,6 +109,30 @@ class Copier:
 
 def _contiguous(idx: np.ndarray) -> bool:
     return bool(len(idx)) and int(idx[-1]) - int(idx[0]) == len(idx) - 1 and bool((np.diff(idx) == 1).all())
+
+
+    def _plan_staged(self, kind: str, pairs: list, src_idx: np.ndarray, dst_idx: np.ndarray) -> Callable[[], None]:
+        """Scattered small blocks on CUDA: gather them into a device staging buffer with one kernel per view, then
+        move the staging buffer with one DMA per run of host rows (usually one) — instead of a DMA per block."""
+        n = len(src_idx)
+        gpu_idx = torch.from_numpy(src_idx if kind == "store" else dst_idx).pin_memory()
+        host_idx = dst_idx if kind == "store" else src_idx
+        host_spans = runs(np.arange(n), host_idx)  # (staging row, host row, length)
+        device = self.views[0].device
+
+        def staged() -> None:  # runs on the transfer stream: index upload, gather/scatter and DMA stay ordered
+            idx = gpu_idx.to(device, non_blocking=True)
+            for dst, src in pairs:
+                if kind == "store":
+                    staging = src.index_select(0, idx)
+                    for s, h, length in host_spans:
+                        dst[h:h + length].copy_(staging[s:s + length], non_blocking=True)
+                else:
+                    staging = torch.empty((n, src.shape[1]), dtype=torch.uint8, device=device)
+                    for s, h, length in host_spans:
+                        staging[s:s + length].copy_(src[h:h + length], non_blocking=True)
+                    dst.index_copy_(0, idx, staging)
+        return staged
 
 
 class InlineExecutor:
