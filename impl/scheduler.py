@@ -45,6 +45,7 @@ class TransferSpec:
 class TransferPlan:
     loads: list[TransferSpec] = field(factory=list)
     stores: list[TransferSpec] = field(factory=list)
+    delayed: frozenset[str] = frozenset()  # finished requests whose blocks stay until their transfers drain
 
 
 class OffloadScheduler:
@@ -55,6 +56,7 @@ class OffloadScheduler:
         self.requests: dict[str, RequestState] = {}
         self.unfinished: dict[int, TransferSpec] = {}
         self._loads: list[TransferSpec] = []
+        self._delayed: set[str] = set()
         self._job_ids = itertools.count()
         self.counters = dict.fromkeys(("lookups", "hit_tokens", "stored_blocks", "loaded_blocks",
                                        "failed_stores", "failed_loads"), 0)
@@ -103,7 +105,8 @@ class OffloadScheduler:
         return spec
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
-        plan, self._loads = TransferPlan(self._loads), []
+        plan = TransferPlan(self._loads, delayed=frozenset(self._delayed))
+        self._loads, self._delayed = [], set()
         for req_id in scheduler_output.preempted_req_ids:
             state = self._state(req_id)
             state.blocks, state.cursor = [], 0
@@ -156,6 +159,8 @@ class OffloadScheduler:
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         state = self._state(request.req_id)
         del self.requests[request.req_id]
+        if state.jobs:
+            self._delayed.add(request.req_id)
         return state.jobs > 0
 
     def take_events(self) -> list[Event]:

@@ -41,6 +41,7 @@ class OffloadWorker:
             self.executor.flush(jobs)
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
+        self.draining |= metadata.delayed
         for spec in metadata.loads:
             self._submit(spec)
 
@@ -59,7 +60,6 @@ class OffloadWorker:
         self.executor.submit(Job(spec.job_id, spec.req_id, spec.kind, tuple(spec.copies), run))
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
-        self.draining |= {r for r in finished_req_ids if self.pending[r]}
         results = self.executor.poll()
         recving = set()
         for job_id, success in results:

@@ -39,6 +39,7 @@ class TransferPlan:
 
     loads: list[Transfer] = field(factory=list)
     stores: list[Transfer] = field(factory=list)
+    delayed: frozenset[str] = frozenset()  # finished requests whose blocks stay until their transfers drain
 
 
 class TensorKV:
@@ -76,6 +77,7 @@ class ReferenceConnector:
         self._next_stored: dict[str, int] = {}  # the store cursor, in offload blocks
         self._unfinished: dict[int, Transfer] = {}  # built, result not yet received
         self._loads_to_send: list[Transfer] = []
+        self._delayed: set[str] = set()  # request_finished delayed their free since the last plan
         self._job_ids = itertools.count()
         # worker side
         self._executor: Executor | None = None
@@ -135,8 +137,8 @@ class ReferenceConnector:
         return transfer
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
-        plan = TransferPlan(loads=self._loads_to_send)
-        self._loads_to_send = []
+        plan = TransferPlan(loads=self._loads_to_send, delayed=frozenset(self._delayed))
+        self._loads_to_send, self._delayed = [], set()
         for req_id in scheduler_output.preempted_req_ids:
             self._block_ids[req_id] = []
             self._rewind(req_id)
@@ -196,7 +198,10 @@ class ReferenceConnector:
         del self._requests[req_id]
         self._block_ids.pop(req_id, None)
         self._next_stored.pop(req_id, None)
-        return self._has_jobs(req_id)
+        if self._has_jobs(req_id):
+            self._delayed.add(req_id)
+            return True
+        return False
 
     def take_events(self) -> list[Event]:
         events, self.tier.events = self.tier.events, []
@@ -212,6 +217,7 @@ class ReferenceConnector:
         self._executor.flush({t.job_id for t in self._submitted.values() if t.kind == "store" and t.req_id in req_ids})
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
+        self._draining |= metadata.delayed
         for transfer in metadata.loads:
             self._submit(transfer)
 
@@ -220,9 +226,9 @@ class ReferenceConnector:
             self._submit(transfer)
 
     def _submit(self, transfer: Transfer) -> None:
-        blocks = [b for b, _key, _sub in transfer.copies]
-        if any(not 0 <= b < self._gpu.shape[0] for b in blocks):
-            raise BlockIdError(f"transfer {transfer.job_id} names GPU blocks {blocks}; the pool has {self._gpu.shape[0]}")
+        blocks, pool = [b for b, _key, _sub in transfer.copies], self._gpu.shape[0]
+        if any(not 0 <= b < pool for b in blocks):
+            raise BlockIdError(f"transfer {transfer.job_id} names GPU blocks {blocks}; the pool has {pool}")
         gpu_idx, host_idx = torch.tensor(blocks), torch.tensor(transfer.host_rows)
         if transfer.kind == "store":
             def run() -> None:
@@ -235,7 +241,6 @@ class ReferenceConnector:
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
         pending = Counter(t.req_id for t in self._submitted.values())
-        self._draining |= {r for r in finished_req_ids if pending[r]}
         results = self._executor.poll()
         recving = set()
         for job_id, success in results:

@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     config = Config(num_gpu_blocks=40, block_size=2, offload_block_size=4, tier_blocks=10, token_budget=32)
-    worlds = [World(config, ReferenceConnector(config), TensorKV(config.num_gpu_blocks), Executor(args.delay), observable=True),
-              World(config, SpecConnector(config), ListKV(config.num_gpu_blocks), Executor(args.delay), observable=True)]
+    worlds = [World(config, connector(config), kv(config.num_gpu_blocks), Executor(args.delay), observable=True)
+              for connector, kv in ((ReferenceConnector, TensorKV), (SpecConnector, ListKV))]
     pending = workload(args.requests, args.seed)
     rnd = random.Random(args.seed + 1)
     violations, start = [], time.perf_counter()

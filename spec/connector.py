@@ -8,12 +8,13 @@ Scheduler side
     new ids), then offer the offload blocks that are full after this step, from the request's store cursor on.
     A refused store skips *that request only*; the cursor still moves past what was offered.
   * preemption and resumption rewind the cursor to 0 (prepare_store skips what is really stored).
-  * request_finished: delay the free iff the request has a job in flight; forget the request either way.
+  * request_finished: delay the free iff the request has a job in flight; forget the request either way. The
+    next step's metadata names the delayed requests, so the worker knows which ones to report when drained.
 
 Worker side
   * loads are submitted in start_load_kv, stores in wait_for_save (after the forward pass wrote the blocks);
   * preemption flushes the preempted requests' stores before their blocks are reused;
-  * a finished request with jobs in flight is reported in finished_sending once its jobs drained;
+  * a delayed request is reported in finished_sending once its jobs drained;
   * a failed load's GPU blocks are reported by get_block_ids_with_load_errors.
 """
 
@@ -43,6 +44,7 @@ class JobSpec:
 class SpecMeta:
     loads: list[JobSpec]
     stores: list[JobSpec]
+    delayed: frozenset[str] = frozenset()  # requests whose free request_finished delayed since the last step
 
 
 def offload_keys(req: Request, config: Config) -> list[Key]:
@@ -59,6 +61,7 @@ class SpecConnector:
     cursors: dict[str, int] = field(factory=dict)
     jobs: dict[int, JobSpec] = field(factory=dict)  # scheduler's view: built, result not yet received
     pending_loads: list[JobSpec] = field(factory=list)
+    delayed: set[str] = field(factory=set)
     next_job_id: int = 0
     # worker side
     kv: ListKV | None = None
@@ -94,7 +97,8 @@ class SpecConnector:
             self.pending_loads.append(job)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SpecMeta:
-        meta, self.pending_loads = SpecMeta(self.pending_loads, []), []
+        meta = SpecMeta(self.pending_loads, [], frozenset(self.delayed))
+        self.pending_loads, self.delayed = [], set()
         for req_id in scheduler_output.preempted_req_ids:
             self.tracked[req_id], self.cursors[req_id] = [], 0
         for s in scheduler_output.scheduled:
@@ -139,7 +143,10 @@ class SpecConnector:
         self._known(request.req_id)
         for state in (self.requests, self.tracked, self.cursors):
             state.pop(request.req_id, None)
-        return any(job.req_id == request.req_id for job in self.jobs.values())
+        delay = any(job.req_id == request.req_id for job in self.jobs.values())
+        if delay:
+            self.delayed.add(request.req_id)
+        return delay
 
     def take_events(self) -> list[Event]:
         events, self.tier.events = self.tier.events, []
@@ -158,6 +165,7 @@ class SpecConnector:
         self.executor.flush({j.job_id for j in self.in_flight.values() if j.req_id in req_ids and j.kind == "store"})
 
     def start_load_kv(self, metadata: SpecMeta) -> None:
+        self.finishing |= metadata.delayed
         for job in metadata.loads:
             self._submit(job, lambda job=job: [self.kv.write(b, self.tier_bytes[key, s]) for b, key, s in job.copies])
 
@@ -173,8 +181,6 @@ class SpecConnector:
         self.executor.submit(Job(job.job_id, job.req_id, job.kind, job.copies, run))
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
-        busy = {j.req_id for j in self.in_flight.values()}
-        self.finishing |= finished_req_ids & busy
         results = self.executor.poll()
         done = [self.in_flight.pop(job_id) for job_id, _ok in results]
         self.load_errors |= {b for job, (_id, ok) in zip(done, results) if job.kind == "load" and not ok

@@ -70,8 +70,10 @@ class Scenario:
 
     def __str__(self) -> str:
         c = self.config
-        return (f"k={c.k} gpu={c.num_gpu_blocks}{'' if c.prefix_caching else ' no-prefix-cache'} tier={c.tier_blocks} budget={c.token_budget} "
-                f"{f'delay={self.delay}' if self.delay else 'immediate'}{' failures' if self.failures else ''}")
+        cache = "" if c.prefix_caching else " no-prefix-cache"
+        timing = f"delay={self.delay}" if self.delay else "immediate"
+        return (f"k={c.k} gpu={c.num_gpu_blocks}{cache} tier={c.tier_blocks} {c.policy} budget={c.token_budget} "
+                f"{timing}{' failures' if self.failures else ''}")
 
 
 # ---- the state machine -------------------------------------------------------------------------------------
@@ -107,7 +109,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             yield
         except Exception as exc:
             self.failed = True  # teardown must not bury this failure under a second one
-            exc.kvoffload_rules_run = self.rules_run  # the program's length, read by the variant benchmark
+            exc.kvoffload_rules_run = self.rules_run  # the program's length, reported per faulty variant
             if not isinstance(exc, Violation):
                 exc.add_note(f"[kvoffload spec {SPEC_VERSION}] raised by the connector after {self.rules_run} rules")
             raise

@@ -283,7 +283,7 @@ class World:
         return req
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block nobody holds (vLLM's ``reset_prefix_cache``): later hits must come from the tier."""
+        """Forget every cached block nobody holds (vLLM's ``reset_prefix_cache``): hits must come from the tier."""
         for block in [b for b in self.pool.hash_of if self.pool.refs[b] == 0]:
             del self.pool.by_hash[self.pool.hash_of.pop(block)]
 

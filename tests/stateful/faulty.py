@@ -35,6 +35,7 @@ class FreeWhileStoring(ReferenceConnector):
 
     def request_finished(self, request, block_ids) -> bool:
         super().request_finished(request, block_ids)
+        self._delayed.discard(request.req_id)
         return False
 
 

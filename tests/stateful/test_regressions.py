@@ -32,9 +32,10 @@ DELAYED_FREES_PROGRAM = textwrap.dedent("""
 
 
 def test_delayed_frees_do_not_depend_on_set_order_shrunk_program():
-    """Found in the k2-immediate-failures scenario: the world freed the blocks of the requests in ``finished_sending`` in set
-    iteration order, which differs between two sets built differently, so the reference's and the spec's worlds
-    reused blocks in different orders and diverged ('requests differ' at step 6). Fixed: the world sorts."""
+    """Found in the k2-immediate-failures scenario: the world freed the blocks of the requests in
+    ``finished_sending`` in set iteration order, which differs between two sets built differently, so the
+    reference's and the spec's worlds reused blocks in different orders and diverged ('requests differ' at step 6).
+    Fixed: the world sorts."""
     done = subprocess.run([sys.executable, "-c", DELAYED_FREES_PROGRAM], capture_output=True, text=True,
                           env={"PYTHONHASHSEED": "3", "PATH": ""}, cwd=__file__.rsplit("/tests/", 1)[0])
     assert done.returncode == 0 and "equal" in done.stdout, done.stderr[-3000:]
