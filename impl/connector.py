@@ -11,7 +11,7 @@ from .scheduler import OffloadScheduler
 from .worker import OffloadWorker
 
 
-class KVOffloadConnector(OffloadScheduler, OffloadWorker):
+class OffloadConnector(OffloadScheduler, OffloadWorker):
     def __init__(self, config: Config) -> None:
         OffloadScheduler.__init__(self, config)
         OffloadWorker.__init__(self, config)

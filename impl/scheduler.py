@@ -24,6 +24,7 @@ class RequestState:
     blocks: list[int] = field(factory=list)
     cursor: int = 0  # offload blocks already offered to the tier
     jobs: int = 0  # transfers built and not yet completed
+    stores: int = 0  # of which stores
     allocated: bool = False  # blocks were allocated at least once (a lookup alone tracks nothing)
 
 
@@ -102,6 +103,7 @@ class OffloadScheduler:
         spec = TransferSpec(next(self._job_ids), state.request.req_id, kind, keys, copies, rows)
         self.unfinished[spec.job_id] = spec
         state.jobs += 1
+        state.stores += kind == "store"
         return spec
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
@@ -149,6 +151,7 @@ class OffloadScheduler:
             state = self.requests.get(spec.req_id)
             if state is not None:
                 state.jobs -= 1
+                state.stores -= spec.kind == "store"
             if spec.kind == "store":
                 self.tier.complete_store(spec.keys, success)
                 self.counters["stored_blocks" if success else "failed_stores"] += len(spec.copies)
@@ -159,9 +162,9 @@ class OffloadScheduler:
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         state = self._state(request.req_id)
         del self.requests[request.req_id]
-        if state.jobs:
+        if state.stores:  # stores still read its blocks (a load in flight: the engine holds them itself)
             self._delayed.add(request.req_id)
-        return state.jobs > 0
+        return state.stores > 0
 
     def take_events(self) -> list[Event]:
         events, self.tier.events = self.tier.events, []

@@ -73,7 +73,6 @@ class OffloadWorker:
                 self.bytes[spec.kind] += len(spec.copies) * self.copier.pool.row_bytes
         sending = {r for r in self.draining if not self.pending[r]}
         self.draining -= sending
-        recving -= self.draining | sending | finished_req_ids
         return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results))
 
     def _forget(self, spec: TransferSpec) -> None:

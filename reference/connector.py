@@ -198,8 +198,8 @@ class ReferenceConnector:
         del self._requests[req_id]
         self._block_ids.pop(req_id, None)
         self._next_stored.pop(req_id, None)
-        if self._has_jobs(req_id):
-            self._delayed.add(req_id)
+        if any(t.req_id == req_id and t.kind == "store" for t in self._unfinished.values()):
+            self._delayed.add(req_id)  # stores still read its blocks
             return True
         return False
 
@@ -252,7 +252,6 @@ class ReferenceConnector:
                     self._invalid_blocks.update(b for b, _key, _sub in transfer.copies)
         sending = {r for r in self._draining if pending[r] == 0}
         self._draining -= sending
-        recving -= self._draining | sending | finished_req_ids
         return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results))
 
     def get_block_ids_with_load_errors(self) -> set[int]:

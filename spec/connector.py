@@ -8,8 +8,9 @@ Scheduler side
     new ids), then offer the offload blocks that are full after this step, from the request's store cursor on.
     A refused store skips *that request only*; the cursor still moves past what was offered.
   * preemption and resumption rewind the cursor to 0 (prepare_store skips what is really stored).
-  * request_finished: delay the free iff the request has a job in flight; forget the request either way. The
-    next step's metadata names the delayed requests, so the worker knows which ones to report when drained.
+  * request_finished: delay the free iff the request has a store in flight (a load in flight keeps the blocks
+    anyway: the engine waits for finished_recving); forget the request either way. The next step's metadata names
+    the delayed requests, so the worker knows which ones to report when drained.
 
 Worker side
   * loads are submitted in start_load_kv, stores in wait_for_save (after the forward pass wrote the blocks);
@@ -143,7 +144,7 @@ class SpecConnector:
         self._known(request.req_id)
         for state in (self.requests, self.tracked, self.cursors):
             state.pop(request.req_id, None)
-        delay = any(job.req_id == request.req_id for job in self.jobs.values())
+        delay = any(job.req_id == request.req_id and job.kind == "store" for job in self.jobs.values())
         if delay:
             self.delayed.add(request.req_id)
         return delay
@@ -187,7 +188,7 @@ class SpecConnector:
                              for b, _k, _s in job.copies}
         busy = {j.req_id for j in self.in_flight.values()}
         sending, self.finishing = self.finishing - busy, self.finishing & busy
-        recving = {j.req_id for j in done if j.kind == "load"} - self.finishing - sending - finished_req_ids
+        recving = {j.req_id for j in done if j.kind == "load"}
         return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results))
 
     def get_block_ids_with_load_errors(self) -> set[int]:

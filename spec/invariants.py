@@ -155,15 +155,16 @@ def jobs(world: World) -> None:
                  f"request {req_id} has more than one load in flight")
 
 
-def finish(req: Request, delayed: bool, in_flight: list[Job]) -> None:
-    """FINISH — ``request_finished`` delays the free iff a job of the request is still in flight.
+def finish(req: Request, delayed: bool, stores: list[Job]) -> None:
+    """FINISH — ``request_finished`` delays the free iff a store of the request is still in flight.
 
     Prevents freeing blocks that a store still reads (they are reused and the store copies another prefix) and,
-    the other way, blocks that are never freed.
+    the other way, blocks that are never freed. (A request that finishes while its load is in flight keeps its
+    blocks anyway: the engine frees them when ``finished_recving`` names it, as vLLM does.)
     """
-    _require(delayed == bool(in_flight), "FINISH",
+    _require(delayed == bool(stores), "FINISH",
              f"request {req.req_id}: request_finished returned delay={delayed} with "
-             f"{len(in_flight)} job(s) in flight")
+             f"{len(stores)} store(s) in flight")
 
 
 def completions(world: World, output: WorkerOutput, polled: list[Job], load_errors: set[int]) -> None:
@@ -178,7 +179,7 @@ def completions(world: World, output: WorkerOutput, polled: list[Job], load_erro
     _require(load_errors == failed_load_blocks, "FAIL",
              f"step {world.step_no}: invalid blocks reported {sorted(load_errors)}, "
              f"failed loads wrote {sorted(failed_load_blocks)}")
-    loaded = {job.req_id for job in polled if job.kind == "load" and job.req_id in world.requests}
+    loaded = {job.req_id for job in polled if job.kind == "load"}
     _require(output.finished_recving == loaded, "JOBS",
              f"step {world.step_no}: finished_recving {sorted(output.finished_recving)}, loads done {sorted(loaded)}")
     for req_id in output.finished_sending:

@@ -420,6 +420,9 @@ class World:
         for req_id in sorted(output.finished_sending):  # sorted: set order must not steer block reuse
             self._release(self.delayed.pop(req_id).blocks)
         for req_id in sorted(output.finished_recving):
+            if req_id in self.delayed:  # finished while its load was in flight: now the blocks can go
+                self._release(self.delayed.pop(req_id).blocks)
+                continue
             req = self.requests[req_id]
             bad = [i for i, b in enumerate(req.blocks) if b in load_errors]
             done = min([req.load_target] + [i * self.config.block_size for i in bad])
@@ -446,16 +449,17 @@ class World:
         req.num_cached_blocks = max(req.num_cached_blocks, full)
 
     def _finish(self, req: Request, state: State) -> None:
+        loading = req.state is State.WAITING_FOR_LOAD  # the engine itself holds its blocks until the load lands
         req.state = state
         del self.requests[req.req_id]
         self.finished_since_step.add(req.req_id)
         self.stats["finished"] += 1
         delay = False
         if req.looked_up:
-            in_flight = self.executor.of(req.req_id)
+            stores = [job for job in self.executor.of(req.req_id) if job.kind == "store"]
             delay = self.connector.request_finished(req, list(req.blocks))
-            invariants.finish(req, delay, in_flight)
-        if delay:
+            invariants.finish(req, delay, stores)
+        if delay or loading:
             self.delayed[req.req_id] = req
         else:
             self._release(req.blocks)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.impl import KVOffloadConnector, LayeredKV
+from kvoffload.impl import OffloadConnector, LayeredKV
 from kvoffload.impl.kv import SHAPES
 from kvoffload.impl.transfer import Copier, CudaStreamExecutor, HostPool
 from kvoffload.spec import Config, Job
@@ -130,5 +130,5 @@ def test_a_job_that_raises_is_reported_failed_not_raised():
 
 def test_connector_conforms_on_cuda():
     scenario = Scenario(Config(num_gpu_blocks=12, tier_blocks=4, prefix_caching=False), delay=2, failures=True)
-    run_conformance(KVOffloadConnector, scenario, level="exact",
+    run_conformance(OffloadConnector, scenario, level="exact",
                     kv_factory=functools.partial(LayeredKV, shape="kv_first", device="cuda"), max_examples=20)

@@ -6,7 +6,7 @@ from functools import partial
 import pytest
 import torch
 
-from kvoffload.impl import KVOffloadConnector, LayeredKV
+from kvoffload.impl import OffloadConnector, LayeredKV
 from kvoffload.reference import ReferenceConnector, TensorKV
 from kvoffload.spec import SpecConnector
 from kvoffload.spec.kit import run_conformance
@@ -34,4 +34,4 @@ def test_reference_equals_spec(name):
 @pytest.mark.parametrize("i, name", enumerate([*SCENARIOS, *ARC_SCENARIOS]))
 def test_impl_equals_spec(i, name):
     scenario = {**SCENARIOS, **ARC_SCENARIOS}[name]
-    run_conformance(KVOffloadConnector, scenario, level="exact", kv_factory=LAYOUTS[i % len(LAYOUTS)])
+    run_conformance(OffloadConnector, scenario, level="exact", kv_factory=LAYOUTS[i % len(LAYOUTS)])

@@ -76,13 +76,13 @@ def test_impl_load_that_starts_inside_an_offload_block():
 
     import torch
 
-    from kvoffload.impl import KVOffloadConnector, LayeredKV
+    from kvoffload.impl import OffloadConnector, LayeredKV
     from kvoffload.spec.kit import make_machine
 
     from .scenarios import SCENARIOS
 
     kv = partial(LayeredKV, shape="mla", dtype=torch.float32)
-    state = make_machine(KVOffloadConnector, SCENARIOS["k2-immediate-failures"], "exact", kv)()
+    state = make_machine(OffloadConnector, SCENARIOS["k2-immediate-failures"], "exact", kv)()
     state.add_requests(batch=[([0, 1, 0, 1, 2, 2, 0, 0, 0, 0, 0], 9), ([0, 0, 0], 8),
                               ([1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 0, 1, 0], 1)])
     state.invariants_hold()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvoffload.impl import KVOffloadConnector, LayeredKV
+from kvoffload.impl import OffloadConnector, LayeredKV
 from kvoffload.impl.scheduler import TransferPlan as ImplPlan
 from kvoffload.impl.scheduler import TransferSpec
 from kvoffload.reference import ReferenceConnector, TensorKV, Transfer, TransferPlan
@@ -10,7 +10,7 @@ from kvoffload.spec import (BlockIdError, Config, ConfigError, Executor, ListKV,
                             SchedulerOutput, SpecConnector, UnknownRequestError, World)
 from kvoffload.spec.connector import JobSpec, SpecMeta
 
-CONNECTORS = [(SpecConnector, ListKV), (ReferenceConnector, TensorKV), (KVOffloadConnector, LayeredKV)]
+CONNECTORS = [(SpecConnector, ListKV), (ReferenceConnector, TensorKV), (OffloadConnector, LayeredKV)]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -63,7 +63,7 @@ def test_block_id_out_of_range_in_a_transfer(connector_class, kv):
     plan = {
         SpecConnector: lambda: SpecMeta([], [JobSpec(0, "r0", "store", bad)]),
         ReferenceConnector: lambda: TransferPlan(stores=[Transfer(0, "r0", "store", bad, (0,))]),
-        KVOffloadConnector: lambda: ImplPlan(stores=[TransferSpec(0, "r0", "store", [0x1234], list(bad), [0])]),
+        OffloadConnector: lambda: ImplPlan(stores=[TransferSpec(0, "r0", "store", [0x1234], list(bad), [0])]),
     }[connector_class]()
     with pytest.raises(BlockIdError, match=str(config.num_gpu_blocks + 3)):
         connector.wait_for_save(plan)

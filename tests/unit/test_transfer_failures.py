@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.impl import KVOffloadConnector, LayeredKV
+from kvoffload.impl import OffloadConnector, LayeredKV
 from kvoffload.impl.transfer import Copier, HostPool, runs
 from kvoffload.spec import Config, Request, ScheduledRequest, SchedulerOutput
 
@@ -45,7 +45,7 @@ def store_prompt(connector, req_id, prompt, blocks):
 
 
 def test_failed_store_leaves_no_entry(monkeypatch):
-    connector = KVOffloadConnector(CONFIG)
+    connector = OffloadConnector(CONFIG)
     connector.register_kv_caches(LayeredKV(CONFIG.num_gpu_blocks))
     break_copies(monkeypatch)
     _, output = store_prompt(connector, "r0", [0, 1, 2, 0, 1], [0, 1, 2])
@@ -55,7 +55,7 @@ def test_failed_store_leaves_no_entry(monkeypatch):
 
 
 def test_failed_load_reports_its_blocks_invalid(monkeypatch):
-    connector = KVOffloadConnector(CONFIG)
+    connector = OffloadConnector(CONFIG)
     kv = LayeredKV(CONFIG.num_gpu_blocks)
     connector.register_kv_caches(kv)
     first, _ = store_prompt(connector, "r0", [0, 1, 2, 0, 1], [0, 1, 2])

