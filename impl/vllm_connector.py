@@ -27,8 +27,9 @@ from kvoffload.spec.types import ScheduledRequest, SchedulerOutput, WorkerOutput
 
 from .connector import OffloadConnector
 from .scheduler import TransferPlan
+from .shadow import ShadowMonitor
 
-EXTRA_KEYS = {"tier_bytes", "offload_block_size", "policy"}
+EXTRA_KEYS = {"tier_bytes", "offload_block_size", "policy", "verify"}
 MOVED = ("bytes_stored", "bytes_loaded", "store_seconds", "load_seconds")
 
 
@@ -119,12 +120,27 @@ class KVOffloadConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = config_from_vllm(vllm_config, kv_cache_config)
         self.offload = OffloadConnector(self.config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self.shadow = ShadowMonitor(self.config, self.offload, self._engine_table) if extra.get("verify") else None
+        self.kv_cache_manager: Any = None
         self.views: dict[str, RequestView] = {}
         self.job_results: list[tuple[int, bool]] = []
         self.moved = dict.fromkeys((*MOVED, "engine_hit_tokens"), 0)  # scheduler side: workers' totals, GPU hits
         self.reported = dict.fromkeys(MOVED, 0.0)  # worker side: totals already sent
 
     # ---- scheduler side ----
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self.kv_cache_manager = kv_cache_manager
+
+    def _engine_table(self, req_id: str) -> list[int] | None:
+        """The engine's own block table for a request (what the shadow monitor checks tracking against)."""
+        if self.kv_cache_manager is None:
+            return None
+        try:
+            return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+        except (KeyError, IndexError):
+            return None
+
     def _view(self, request: Any) -> RequestView:
         view = self.views.get(request.request_id)
         if view is None:
@@ -135,15 +151,23 @@ class KVOffloadConnector(KVConnectorBase_V1):
         view = self._view(request)
         view.num_computed_tokens = num_computed_tokens
         self.moved["engine_hit_tokens"] += num_computed_tokens
-        return self.offload.get_num_new_matched_tokens(view, num_computed_tokens)
+        answer = self.offload.get_num_new_matched_tokens(view, num_computed_tokens)
+        if self.shadow:
+            self.shadow.lookup(view, num_computed_tokens, answer)
+        return answer
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        block_ids = blocks.get_block_ids()[0]
-        self.offload.update_state_after_alloc(self._view(request), list(block_ids), num_external_tokens)
+        block_ids, view = list(blocks.get_block_ids()[0]), self._view(request)
+        self.offload.update_state_after_alloc(view, block_ids, num_external_tokens)
+        if self.shadow:
+            self.shadow.alloc(view, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         neutral = neutral_output(scheduler_output)
-        return KVOffloadMetadata(self.offload.build_connector_meta(neutral), neutral.preempted_req_ids)
+        plan = self.offload.build_connector_meta(neutral)
+        if self.shadow:
+            self.shadow.batch(neutral)
+        return KVOffloadMetadata(plan, neutral.preempted_req_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -151,17 +175,24 @@ class KVOffloadConnector(KVConnectorBase_V1):
             return
         for key, value in meta.moved.items():
             self.moved[key] += value
-        self.offload.update_connector_output(WorkerOutput(job_results=meta.job_results))
+        output = WorkerOutput(job_results=meta.job_results)
+        self.offload.update_connector_output(output)
+        if self.shadow:
+            self.shadow.results(output)
 
     def stats(self) -> dict[str, Any]:
         """Scheduler-side counters plus what the workers moved."""
-        return {**self.offload.stats(), **self.moved}
+        verdict = {"shadow": self.shadow.verdict()} if self.shadow else {}
+        return {**self.offload.stats(), **self.moved, **verdict}
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         view = self.views.pop(request.request_id, None)
         if view is None or request.request_id not in self.offload.requests:  # never looked up: nothing to hold
             return False, None
-        return self.offload.request_finished(view, block_ids), None
+        delay = self.offload.request_finished(view, block_ids)
+        if self.shadow:
+            self.shadow.finished(view, delay)
+        return delay, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         for event in self.offload.take_events():

@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     del llm
     gc.collect()
     print("the same workload with the offloading connector...", file=sys.stderr, flush=True)
-    llm = make_llm(model, connector_config(tier_bytes=args.tier_mib << 20, offload_block_size=BLOCK_SIZE))
+    llm = make_llm(model, connector_config(tier_bytes=args.tier_mib << 20, offload_block_size=BLOCK_SIZE,
+                                           verify=True))  # the spec checks every step beside the connector
     timed = time.perf_counter()
     got = run_rounds(llm, prompts, args.rounds, args.max_tokens)
     seconds = time.perf_counter() - timed
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         ("bytes loaded", rate(stats["bytes_loaded"], stats["load_seconds"])),
         ("block size", f"{block_bytes / 1024:.0f} KiB" if stats["stored_blocks"] else "-"),
         ("store allocation failures", stats["alloc_failures"]),
+        ("shadow spec monitor", stats["shadow"]),
         ("engine seconds with connector", f"{seconds:.1f}"),
         ("outputs identical", "yes" if got == expected else "NO"),
         ("total seconds", f"{time.perf_counter() - start:.1f}"),
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nkvoffload demo — vLLM (CPU) with the offloading connector")
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
-    return 0 if got == expected and stats["hit_tokens"] > 0 else 1
+    return 0 if got == expected and stats["hit_tokens"] > 0 and stats["shadow"].startswith("ok") else 1
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Connector variants the engine tests load by module path: one whose transfers really fail, one that records
-the KV events it hands vLLM."""
+the KV events it hands vLLM, one with the seed bug (for the shadow monitor to catch)."""
 
 from __future__ import annotations
 
+from kvoffload.impl import OffloadConnector
+from kvoffload.impl.scheduler import TransferPlan
 from kvoffload.impl.transfer import InlineExecutor
 from kvoffload.impl.vllm_connector import KVOffloadConnector
 
@@ -39,3 +41,40 @@ class RecordingEventsConnector(KVOffloadConnector):
         for event in super().take_events():
             self.recorded.append(event)
             yield event
+
+
+class _Refused(Exception):
+    pass
+
+
+class _BreakOnRefusedStore(OffloadConnector):
+    """The seed bug in the production connector: the batch loop stops at the first refused store, so the later
+    requests of the batch never get this step's block ids."""
+
+    def _store(self, state, full):
+        refusals = self.tier.refusals
+        store = super()._store(state, full)
+        if self.tier.refusals != refusals:
+            raise _Refused
+        return store
+
+    def _transfer(self, state, kind, keys, copies, rows):
+        spec = super()._transfer(state, kind, keys, copies, rows)
+        if kind == "store":
+            self._built.append(spec)
+        return spec
+
+    def build_connector_meta(self, scheduler_output):
+        loads, delayed, self._built = list(self._loads), frozenset(self._delayed), []
+        try:
+            return super().build_connector_meta(scheduler_output)
+        except _Refused:  # `break`: what was built so far goes out, the rest of the batch is skipped
+            return TransferPlan(loads, list(self._built), delayed)
+
+
+class SeedBugConnector(KVOffloadConnector):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.offload = _BreakOnRefusedStore(self.config)
+        if self.shadow:
+            self.shadow.production = self.offload

@@ -29,8 +29,10 @@ if __name__ == "__main__":
         config = KVTransferConfig(kv_connector=cls, kv_role="kv_both", kv_connector_module_path=module,
                                   kv_connector_extra_config=json.loads(args.extra), kv_load_failure_policy="recompute")
     llm = make_llm(args.model, config, num_gpu_blocks=args.gpu_blocks)
-    outputs = run_rounds(llm, workload(12, seed=1), rounds=2, max_tokens=8)
-    result = {"outputs": outputs}
+    try:
+        result = {"outputs": run_rounds(llm, workload(12, seed=1), rounds=2, max_tokens=8)}
+    except Exception as exc:  # noqa: BLE001 - reported to the test, with whatever the connector saw
+        result = {"error": f"{type(exc).__name__}: {exc}"}
     if config is not None:
         connector = scheduler_connector(llm)
         result["stats"] = connector.stats()

@@ -66,6 +66,19 @@ def test_kv_events_carry_medium_cpu(model):
     assert {medium for _kind, medium in run["events"]} == {"CPU"}
 
 
+def test_shadow_monitor_agrees_with_a_correct_connector(model, expected):
+    run = run_engine(model, CONNECTOR, tier_bytes=96 << 10, offload_block_size=32, verify=True)
+    assert run["outputs"] == expected
+    assert run["stats"]["shadow"].startswith("ok:")
+
+
+def test_shadow_monitor_catches_the_seed_bug_inside_the_engine(model):
+    run = run_engine(model, "tests.vllm.connectors:SeedBugConnector", tier_bytes=96 << 10, offload_block_size=32,
+                     verify=True)
+    assert run["stats"]["shadow"].startswith("DIVERGED"), run["stats"]["shadow"]
+    assert "request" in run["stats"]["shadow"] and "spec" in run["stats"]["shadow"]  # who, and both views
+
+
 def test_bad_configuration_is_one_clear_error_at_start_up(model):
     cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_engine.py"), "--model", str(model),
            "--connector", CONNECTOR, "--extra", json.dumps({"tier_size": 1})]

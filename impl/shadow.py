@@ -1,0 +1,86 @@
+"""The shadow monitor: the spec connector runs beside the production connector inside a real engine.
+
+It is fed exactly the calls the production connector gets. After every call it requires the same answers and the
+same observable state (tracked tables, cursors, tier, transfers), and after every batch it requires both tracked
+tables to equal the engine's own block tables. A divergence is reported once, with the step, the request and both
+views; the engine keeps running on the production connector either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from attrs import fields
+
+from kvoffload.spec import SpecConnector
+from kvoffload.spec.config import Config
+from kvoffload.spec.types import Observation, SchedulerOutput, WorkerOutput
+
+logger = logging.getLogger("kvoffload.shadow")
+
+
+class ShadowMonitor:
+    def __init__(self, config: Config, production: Any, engine_tables: Callable[[str], list[int] | None]) -> None:
+        self.spec = SpecConnector(config)
+        self.production = production
+        self.engine_tables = engine_tables  # request id -> the engine's block table (None: no blocks)
+        self.steps = self.checks = 0
+        self.divergences: list[str] = []
+
+    def verdict(self) -> str:
+        if self.divergences:
+            return f"DIVERGED ({len(self.divergences)}): {self.divergences[0]}"
+        return f"ok: {self.steps} steps, {self.checks} checks, no divergence"
+
+    def _diverged(self, what: str) -> None:
+        message = f"step {self.steps}: {what}"
+        if not self.divergences:
+            logger.error("kvoffload shadow monitor: %s", message)
+        self.divergences.append(message)
+
+    def _same(self, call: str, ours: Any, spec: Any) -> None:
+        self.checks += 1
+        if ours != spec:
+            self._diverged(f"{call}: connector answered {ours!r}, spec {spec!r}")
+
+    def _same_state(self, call: str) -> None:
+        ours, theirs = self.production.observe(), self.spec.observe()
+        for f in fields(Observation):
+            self.checks += 1
+            a, b = getattr(ours, f.name), getattr(theirs, f.name)
+            if a == b:
+                continue
+            if isinstance(a, dict):  # per request: name the requests that differ
+                for req_id in sorted({*a, *b}, key=str):
+                    if a.get(req_id) != b.get(req_id):
+                        self._diverged(f"after {call}, request {req_id}: {f.name} connector {a.get(req_id)}, "
+                                       f"spec {b.get(req_id)}")
+            else:
+                self._diverged(f"after {call}, {f.name} differ\n  connector: {a}\n  spec:      {b}")
+
+    def lookup(self, request: Any, num_computed_tokens: int, answer: tuple[int, bool]) -> None:
+        self._same(f"lookup of {request.req_id}", answer,
+                   self.spec.get_num_new_matched_tokens(request, num_computed_tokens))
+
+    def alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        self.spec.update_state_after_alloc(request, block_ids, num_external_tokens)
+        self._same_state(f"update_state_after_alloc of {request.req_id}")
+
+    def batch(self, scheduler_output: SchedulerOutput) -> None:
+        self.steps += 1
+        self.spec.build_connector_meta(scheduler_output)
+        self._same_state("build_connector_meta")
+        for req_id, table in self.production.observe().tracked.items():
+            engine = self.engine_tables(req_id)
+            self.checks += 1
+            if table and engine is not None and list(table) != list(engine):
+                self._diverged(f"request {req_id}: engine block table {list(engine)}, connector {list(table)}")
+
+    def results(self, output: WorkerOutput) -> None:
+        self.spec.update_connector_output(output)
+        self._same_state("update_connector_output")
+
+    def finished(self, request: Any, delayed: bool) -> None:
+        if request.req_id in self.spec.requests:
+            self._same(f"request_finished of {request.req_id}", delayed, self.spec.request_finished(request, []))
