@@ -6,7 +6,7 @@ the other, and they need neither torch nor vLLM.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Protocol, runtime_checkable
+from typing import Any, Callable, Literal, NamedTuple, Protocol, runtime_checkable
 
 from attrs import define, field, frozen
 
@@ -14,8 +14,7 @@ Key = int  # a tier key: the chained hash of the last GPU block of an offload bl
 Copy = tuple[int, Key, int]  # (GPU block id, tier key, index of that GPU block inside the offload block)
 
 
-@frozen
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):  # a tuple: engines build one per request per step
     """One request in one step's batch.
 
     kind "new" and "resumed" (after a preemption) carry the *whole* block table in ``block_ids``;

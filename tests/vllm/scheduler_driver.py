@@ -11,45 +11,16 @@ from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import torch  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvoffload.impl import LayeredKV, OffloadConnector  # noqa: E402
+from kvoffload.impl.vllm_harness import BLOCK_SIZE, make_scheduler  # noqa: E402
 from kvoffload.impl.vllm_connector import KVOffloadWorkerMetadata  # noqa: E402
 from kvoffload.spec.world import Executor  # noqa: E402
-
-BLOCK_SIZE = 16
-LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-
-
-def make_scheduler(model: Path, num_blocks: int, connector: str, module: str, extra: dict) -> Scheduler:
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=1024),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=1024,
-                                         is_encoder_decoder=False),
-        kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role="kv_both",
-                                            kv_connector_module_path=module, kv_connector_extra_config=extra,
-                                            kv_load_failure_policy="recompute"),
-        device_config=DeviceConfig("cpu"))
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    page = spec.page_size_bytes
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
-        kv_cache_tensors=[KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=LAYERS,
-                                        layer_stride=page * num_blocks, block_stride=page)])
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                     structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK_SIZE)
-
 
 class Driver:
     """One engine: the real scheduler, our worker side, and an environment that decides transfer timing."""
