@@ -20,6 +20,7 @@ import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole, KVConnectorWorkerMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvoffload.spec.config import Config, ConfigError
@@ -31,6 +32,8 @@ from .shadow import ShadowMonitor
 
 EXTRA_KEYS = {"tier_bytes", "offload_block_size", "policy", "verify"}
 MOVED = ("bytes_stored", "bytes_loaded", "store_seconds", "load_seconds")
+COUNTERS = ("lookups", "hit_tokens", "engine_hit_tokens", "stored_blocks", "loaded_blocks", "failed_stores",
+            "failed_loads", "alloc_failures", "evictions", *MOVED)
 
 
 @dataclass
@@ -50,6 +53,45 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         assert isinstance(other, KVOffloadWorkerMetadata)
         moved = {k: self.moved.get(k, 0) + other.moved.get(k, 0) for k in {*self.moved, *other.moved}}
         return KVOffloadWorkerMetadata(self.job_results + other.job_results, moved)
+
+
+@dataclass
+class KVOffloadStats(KVConnectorStats):
+    """Counter increments over one logging interval (hits, lookups, blocks, failures, bytes, seconds)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        keys = {*self.data, *other.data}
+        return KVOffloadStats({k: self.data.get(k, 0) + other.data.get(k, 0) for k in keys})
+
+    def reduce(self) -> dict[str, int | float]:
+        reduced = dict(self.data)
+        for direction, moved in (("store", "bytes_stored"), ("load", "bytes_loaded")):
+            seconds = reduced.get(f"{direction}_seconds", 0)
+            reduced[f"{direction}_GBps"] = round(reduced.get(moved, 0) / seconds / 1e9, 3) if seconds else 0.0
+        return reduced
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVOffloadPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per connector counter: ``vllm:kvoffload_<name>``, labelled per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {name: self._counter_cls(name=f"vllm:kvoffload_{name}", labelnames=labelnames,
+                                                 documentation=f"kvoffload connector: {name.replace('_', ' ')}")
+                         for name in COUNTERS}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in transfer_stats_data.items():
+            if name in self.counters and value:
+                self.counters[name].labels(*labels).inc(value)
 
 
 class RequestView:
@@ -123,6 +165,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.shadow = ShadowMonitor(self.config, self.offload, self._engine_table) if extra.get("verify") else None
         self.kv_cache_manager: Any = None
+        self.logged = dict.fromkeys(COUNTERS, 0)  # counters at the last get_kv_connector_stats
         self.views: dict[str, RequestView] = {}
         self.job_results: list[tuple[int, bool]] = []
         self.moved = dict.fromkeys((*MOVED, "engine_hit_tokens"), 0)  # scheduler side: workers' totals, GPU hits
@@ -193,6 +236,24 @@ class KVOffloadConnector(KVConnectorBase_V1):
         if self.shadow:
             self.shadow.finished(view, delay)
         return delay, None
+
+    def get_kv_connector_stats(self) -> KVOffloadStats | None:
+        """Scheduler side: what changed since the last call (the workers' bytes already arrived in metadata)."""
+        if self.role != KVConnectorRole.SCHEDULER:
+            return None
+        now = self.stats()
+        delta = {name: now[name] - self.logged[name] for name in COUNTERS}
+        self.logged = {name: now[name] for name in COUNTERS}
+        return KVOffloadStats(delta) if any(delta.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVOffloadStats:
+        return KVOffloadStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVOffloadPromMetrics:
+        return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         for event in self.offload.take_events():
