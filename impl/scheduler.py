@@ -13,7 +13,7 @@ from typing import Any
 from attrs import define, field
 
 from kvoffload.spec.config import Config, UnknownRequestError
-from kvoffload.spec.types import Copy, Event, SchedulerOutput, WorkerOutput
+from kvoffload.spec.types import Copy, Event, SchedulerOutput, TransferPlan, WorkerOutput
 
 from .tier import OffloadTier
 
@@ -40,13 +40,6 @@ class TransferSpec:
     @property
     def blocks(self) -> list[int]:
         return [block for block, _key, _sub in self.copies]
-
-
-@define
-class TransferPlan:
-    loads: list[TransferSpec] = field(factory=list)
-    stores: list[TransferSpec] = field(factory=list)
-    delayed: frozenset[str] = frozenset()  # finished requests whose blocks stay until their transfers drain
 
 
 class OffloadScheduler:

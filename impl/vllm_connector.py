@@ -24,10 +24,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvoffload.spec.config import Config, ConfigError
-from kvoffload.spec.types import ScheduledRequest, SchedulerOutput, WorkerOutput
+from kvoffload.spec.types import ScheduledRequest, SchedulerOutput, TransferPlan, WorkerOutput
 
 from .connector import OffloadConnector
-from .scheduler import TransferPlan
 from .shadow import ShadowMonitor
 
 EXTRA_KEYS = {"tier_bytes", "offload_block_size", "policy", "verify"}

@@ -10,7 +10,9 @@ import numpy as np
 from kvoffload.spec.config import Config
 from kvoffload.spec.types import Job, WorkerOutput
 
-from .scheduler import TransferPlan, TransferSpec
+from kvoffload.spec.types import TransferPlan
+
+from .scheduler import TransferSpec
 from .transfer import Copier, CudaStreamExecutor, HostPool, InlineExecutor, block_views
 
 

@@ -11,10 +11,10 @@ import itertools
 from collections import Counter
 
 import torch
-from attrs import define, field
+from attrs import define
 
 from kvoffload.spec.config import BlockIdError, Config, ConfigError, UnknownRequestError
-from kvoffload.spec.types import Copy, Event, Job, Observation, SchedulerOutput, WorkerOutput
+from kvoffload.spec.types import Copy, Event, Job, Observation, SchedulerOutput, TransferPlan, WorkerOutput
 from kvoffload.spec.world import Executor, Request
 
 from .tier import LRUTier
@@ -31,15 +31,6 @@ class Transfer:
     @property
     def keys(self) -> list[int]:
         return list(dict.fromkeys(key for _b, key, _s in self.copies))
-
-
-@define
-class TransferPlan:
-    """The connector metadata of one step."""
-
-    loads: list[Transfer] = field(factory=list)
-    stores: list[Transfer] = field(factory=list)
-    delayed: frozenset[str] = frozenset()  # finished requests whose blocks stay until their transfers drain
 
 
 class TensorKV:

@@ -8,11 +8,12 @@ always hold). ``kit`` (needs hypothesis) drives any connector through all of it.
 from .config import BlockIdError, Config, ConfigError, UnknownRequestError
 from .connector import SpecConnector
 from .invariants import SPEC_VERSION, Violation
-from .types import Connector, Event, GpuKV, Job, Observation, ScheduledRequest, SchedulerOutput, WorkerOutput
+from .types import (Connector, Event, GpuKV, Job, Observation, ScheduledRequest, SchedulerOutput, TransferPlan,
+                    WorkerOutput)
 from .world import Executor, ListKV, Request, World
 
 __all__ = [
     "SPEC_VERSION", "BlockIdError", "Config", "ConfigError", "Connector", "Event", "Executor", "GpuKV", "Job",
     "ListKV", "Observation", "Request", "ScheduledRequest", "SchedulerOutput", "SpecConnector",
-    "UnknownRequestError", "Violation", "WorkerOutput", "World",
+    "TransferPlan", "UnknownRequestError", "Violation", "WorkerOutput", "World",
 ]

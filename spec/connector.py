@@ -25,7 +25,7 @@ from attrs import define, field
 
 from .config import Config, UnknownRequestError
 from .tier import Tier
-from .types import Copy, Event, Job, Key, Observation, SchedulerOutput, WorkerOutput
+from .types import Copy, Event, Job, Key, Observation, SchedulerOutput, TransferPlan, WorkerOutput
 from .world import Executor, ListKV, Request
 
 
@@ -39,13 +39,6 @@ class JobSpec:
     @property
     def keys(self) -> list[Key]:
         return list(dict.fromkeys(key for _b, key, _s in self.copies))
-
-
-@define
-class SpecMeta:
-    loads: list[JobSpec]
-    stores: list[JobSpec]
-    delayed: frozenset[str] = frozenset()  # requests whose free request_finished delayed since the last step
 
 
 def offload_keys(req: Request, config: Config) -> list[Key]:
@@ -97,8 +90,8 @@ class SpecConnector:
             self.tier.prepare_load(job.keys)
             self.pending_loads.append(job)
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SpecMeta:
-        meta = SpecMeta(self.pending_loads, [], frozenset(self.delayed))
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
+        meta = TransferPlan(self.pending_loads, [], frozenset(self.delayed))
         self.pending_loads, self.delayed = [], set()
         for req_id in scheduler_output.preempted_req_ids:
             self.tracked[req_id], self.cursors[req_id] = [], 0
@@ -165,12 +158,12 @@ class SpecConnector:
     def handle_preemptions(self, req_ids: frozenset[str]) -> None:
         self.executor.flush({j.job_id for j in self.in_flight.values() if j.req_id in req_ids and j.kind == "store"})
 
-    def start_load_kv(self, metadata: SpecMeta) -> None:
+    def start_load_kv(self, metadata: TransferPlan) -> None:
         self.finishing |= metadata.delayed
         for job in metadata.loads:
             self._submit(job, lambda job=job: [self.kv.write(b, self.tier_bytes[key, s]) for b, key, s in job.copies])
 
-    def wait_for_save(self, metadata: SpecMeta) -> None:
+    def wait_for_save(self, metadata: TransferPlan) -> None:
         for job in metadata.stores:
             self._submit(job, lambda job=job: self.tier_bytes.update(
                 {(key, s): self.kv.read(b) for b, key, s in job.copies}))

@@ -36,6 +36,16 @@ class SchedulerOutput:
     finished_req_ids: frozenset[str]  # finished or aborted since the previous step
 
 
+@define
+class TransferPlan:
+    """The connector metadata of one step: what the worker side must submit, and the delayed frees to report.
+    Each connector brings its own transfer type; the plan's shape is common."""
+
+    loads: list[Any] = field(factory=list)
+    stores: list[Any] = field(factory=list)
+    delayed: frozenset[str] = frozenset()  # finished requests whose blocks stay until their transfers drain
+
+
 @frozen
 class WorkerOutput:
     """What the worker side reports once per step (vLLM's ``KVConnectorOutput``)."""

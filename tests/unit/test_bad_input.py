@@ -3,12 +3,12 @@
 import pytest
 
 from kvoffload.impl import OffloadConnector, LayeredKV
-from kvoffload.impl.scheduler import TransferPlan as ImplPlan
 from kvoffload.impl.scheduler import TransferSpec
-from kvoffload.reference import ReferenceConnector, TensorKV, Transfer, TransferPlan
+from kvoffload.reference import ReferenceConnector, TensorKV, Transfer
 from kvoffload.spec import (BlockIdError, Config, ConfigError, Executor, ListKV, Request, ScheduledRequest,
                             SchedulerOutput, SpecConnector, UnknownRequestError, World)
-from kvoffload.spec.connector import JobSpec, SpecMeta
+from kvoffload.spec.connector import JobSpec
+from kvoffload.spec.types import TransferPlan
 
 CONNECTORS = [(SpecConnector, ListKV), (ReferenceConnector, TensorKV), (OffloadConnector, LayeredKV)]
 
@@ -61,9 +61,9 @@ def test_block_id_out_of_range_in_a_transfer(connector_class, kv):
     connector.register_kv_caches(kv(config.num_gpu_blocks), Executor())
     bad = ((config.num_gpu_blocks + 3, 0x1234, 0),)
     plan = {
-        SpecConnector: lambda: SpecMeta([], [JobSpec(0, "r0", "store", bad)]),
+        SpecConnector: lambda: TransferPlan([], [JobSpec(0, "r0", "store", bad)]),
         ReferenceConnector: lambda: TransferPlan(stores=[Transfer(0, "r0", "store", bad, (0,))]),
-        OffloadConnector: lambda: ImplPlan(stores=[TransferSpec(0, "r0", "store", [0x1234], list(bad), [0])]),
+        OffloadConnector: lambda: TransferPlan(stores=[TransferSpec(0, "r0", "store", [0x1234], list(bad), [0])]),
     }[connector_class]()
     with pytest.raises(BlockIdError, match=str(config.num_gpu_blocks + 3)):
         connector.wait_for_save(plan)

@@ -4,7 +4,7 @@ the KV events it hands vLLM, one with the seed bug (for the shadow monitor to ca
 from __future__ import annotations
 
 from kvoffload.impl import OffloadConnector
-from kvoffload.impl.scheduler import TransferPlan
+from kvoffload.spec.types import TransferPlan
 from kvoffload.impl.transfer import InlineExecutor
 from kvoffload.impl.vllm_connector import KVOffloadConnector
 
