@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: we read its connector
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the demo's own progress and table, not the engine's log
 
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 
