@@ -8,9 +8,7 @@ from typing import Any
 import numpy as np
 
 from kvoffload.spec.config import Config
-from kvoffload.spec.types import Job, WorkerOutput
-
-from kvoffload.spec.types import TransferPlan
+from kvoffload.spec.types import Job, TransferPlan, WorkerOutput
 
 from .scheduler import TransferSpec
 from .transfer import Copier, CudaStreamExecutor, HostPool, InlineExecutor, block_views
