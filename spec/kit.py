@@ -127,6 +127,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             for _ in range(n):
                 for world in self.worlds:
                     world.step()
+                self._compare()  # after every engine step: a difference may not outlive the rule
 
     @precondition(lambda self: self.subject.requests)
     @rule(i=st.integers(0, 63))
