@@ -70,6 +70,23 @@ def src(world: World) -> None:
                      f"which the request no longer holds")
 
 
+def store_bytes(world: World, job: Job) -> None:
+    """SRC — as a store executes, every GPU block it reads holds exactly the bytes of its key's prefix.
+
+    The data-plane half of SRC, checked whatever the protocol: a store that names the wrong GPU block (the seed
+    bug's drift), or reads a block already rewritten for another request, would put foreign bytes under the key.
+    """
+    req, k = world.history[job.req_id], world.config.k
+    for block, key, sub in job.copies:
+        last = req.block_hashes.index(key) if key in req.block_hashes else None
+        _require(last is not None, "SRC", f"step {world.step_no}: store job {job.job_id} of {job.req_id} stores "
+                                          f"key {key:#x}, which is not a block of that request's prefix")
+        position = last - (k - 1) + sub
+        _require(world.kv.holds(block, req.block_hashes[position]), "SRC",
+                 f"step {world.step_no}: store job {job.job_id} of {job.req_id} reads GPU block {block} for "
+                 f"position {position}, but the block holds other bytes")
+
+
 def not_in_flight(world: World, block: int, action: str, kinds: tuple[str, ...] = ("store", "load")) -> None:
     """SRC + DST at the moment a block is freed or written: no store still reads it, no load still writes it.
     (DST alone when it enters the prefix cache: other requests would read it before the load landed.)"""
@@ -188,8 +205,11 @@ def completions(world: World, output: WorkerOutput, polled: list[Job], load_erro
                  f"or still has jobs")
 
 
-def lookup(req: Request, num_local: int, num_external: int, is_async: bool) -> None:
-    """LOOKUP — hits are whole blocks and leave at least one prompt token to compute (the engine needs a logit)."""
+def lookup(req: Request, num_local: int, num_external: int | None, is_async: bool) -> None:
+    """LOOKUP — hits leave at least one prompt token to compute (the engine needs a logit) and load asynchronously.
+    (None is "ask me again next step": vLLM's answer while a request still has transfers in flight.)"""
+    if num_external is None:
+        return
     _require(num_external >= 0 and num_local + num_external <= req.num_tokens - 1, "LOOKUP",
              f"request {req.req_id}: {num_local} local + {num_external} external hit tokens of {req.num_tokens}")
     _require(num_external == 0 or is_async, "LOOKUP", f"request {req.req_id}: a tier hit must load asynchronously")

@@ -107,7 +107,7 @@ class Connector(Protocol):
     """vLLM's ``KVConnectorBase_V1`` method set in neutral types; both sides in one object."""
 
     # scheduler side
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]: ...
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]: ...
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None: ...
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any: ...
     def update_connector_output(self, output: WorkerOutput) -> None: ...
@@ -124,3 +124,22 @@ class Connector(Protocol):
 
 
 CONNECTOR_METHODS = tuple(name for name in vars(Connector) if not name.startswith("_"))
+
+# What an adapter declares in ``capabilities``. The kit runs a rule or checks an invariant that needs one only when
+# it is declared, and reports every rule it skipped with the reason, so nothing passes silently.
+OBSERVE = "observe"  # observe() -> Observation: tracked tables, cursors, tier, jobs (TRACK, REF, CURSOR, exact level)
+REFUSE_STORE = "refuse_store"  # refuse_next_store(): the kit makes the tier's next store allocation fail
+TRANSFER_FAILURES = "transfer_failures"  # failed transfers are reported (success=False) and recovered from
+# A protocol, not an extra: the connector frees a finished request's blocks at once, even under stores in flight,
+# and flushes those stores before any of the blocks is written again (vLLM's OffloadingConnector does this).
+# FINISH and the ownership half of SRC then do not apply; the bytes each store reads are still checked.
+FENCED_FREES = "fenced_frees"
+CAPABILITIES = (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES)
+CAPABILITY_METHODS = {OBSERVE: "observe", REFUSE_STORE: "refuse_next_store"}
+
+
+@runtime_checkable
+class Adapter(Connector, Protocol):
+    """What the kit drives: a connector (or a wrapper around one) that declares what else it offers."""
+
+    capabilities: frozenset[str]

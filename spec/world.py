@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from enum import Enum
-from typing import Iterator
+from typing import Callable, Iterator
 
 from attrs import define, field
 
@@ -174,6 +174,7 @@ class Executor:
     jobs: list[Job] = field(factory=list)  # submitted, not yet polled, in submission order
     last_polled: list[Job] = field(factory=list)
     fail_next: bool = False  # the next job to execute fails
+    before_store: Callable[[Job], None] | None = None  # checks what a store is about to read
     submitted_at: dict[int, int] = field(factory=dict)  # id(job) -> tick of submission
     ticks: int = 0
     kv: GpuKV | None = None  # where failed loads leave garbage
@@ -198,6 +199,8 @@ class Executor:
         ok = not (fail or self.fail_next)
         self.fail_next = False
         if ok:
+            if job.kind == "store" and self.before_store:
+                self.before_store(job)
             job.run()
         elif job.kind == "load" and self.kv is not None:
             for block in job.gpu_blocks:  # a load that failed midway leaves garbage behind
@@ -250,7 +253,9 @@ class World:
     executor: Executor = field(factory=Executor)
     pool: BlockPool = field()
     observable: bool = False  # the connector has observe(): check TRACK, REF, CURSOR too
+    fenced: bool = False  # the connector frees under in-flight stores and flushes before reuse (types.FENCED_FREES)
     requests: dict[str, Request] = field(factory=dict)  # live: not finished
+    history: dict[str, Request] = field(factory=dict)  # every request ever added: what its blocks should hold
     delayed: dict[str, Request] = field(factory=dict)  # finished, blocks held until the worker says so
     waiting: deque[Request] = field(factory=deque)
     running: list[Request] = field(factory=list)
@@ -271,13 +276,14 @@ class World:
         if missing:
             raise TypeError(f"{type(self.connector).__name__} is not a connector: it lacks {', '.join(missing)}")
         self.executor.kv = self.kv
+        self.executor.before_store = lambda job: invariants.store_bytes(self, job)
         self.connector.register_kv_caches(self.kv, self.executor)
 
     # ---- the engine's inputs -------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], max_tokens: int) -> Request:
         req = Request(f"r{self.next_id}", tuple(prompt), max_tokens, self.config.block_size)
         self.next_id += 1
-        self.requests[req.req_id] = req
+        self.requests[req.req_id] = self.history[req.req_id] = req
         self.waiting.append(req)
         self.stats["requests"] += 1
         return req
@@ -302,7 +308,8 @@ class World:
         if self.observable:
             invariants.track(self, self.connector.observe())
         self.connector.handle_preemptions(out.preempted_req_ids)
-        invariants.src(self)
+        if not self.fenced:
+            invariants.src(self)
         self.connector.start_load_kv(meta)
         self._forward(out)
         self.connector.wait_for_save(meta)
@@ -354,8 +361,12 @@ class World:
                 break
             if req.state is State.WAITING_FOR_LOAD:
                 continue
-            if not req.blocks and not self._allocate_with_hits(req, budget):
-                break
+            if not req.blocks:
+                hit = self._lookup(req)
+                if hit is None:  # the connector cannot answer yet: ask again next step, as vLLM does
+                    continue
+                if not self._allocate_with_hits(req, budget, *hit):
+                    break
             if req.state is State.WAITING_FOR_LOAD:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -369,14 +380,18 @@ class World:
             req.resumed = False
             budget -= n
 
-    def _allocate_with_hits(self, req: Request, budget: int) -> bool:
-        """Admission: GPU prefix hit, then the connector's hit; allocate; tell the connector. False: no room."""
+    def _lookup(self, req: Request) -> tuple[list[int], int] | None:
+        """The GPU prefix hit, then the connector's hit in tokens (None: the connector asks to be asked later)."""
         bs = self.config.block_size
         hit = self.pool.prefix_hit(req.block_hashes[:(req.num_tokens - 1) // bs]) if self.config.prefix_caching else []
-        num_local = len(hit) * bs
-        num_external, is_async = self.connector.get_num_new_matched_tokens(req, num_local)
+        num_external, is_async = self.connector.get_num_new_matched_tokens(req, len(hit) * bs)
         req.looked_up = True
-        invariants.lookup(req, num_local, num_external, is_async)
+        invariants.lookup(req, len(hit) * bs, num_external, is_async)
+        return None if num_external is None else (hit, num_external)
+
+    def _allocate_with_hits(self, req: Request, budget: int, hit: list[int], num_external: int) -> bool:
+        """Admission: take the hits, allocate the rest of the first step, tell the connector. False: no room."""
+        num_local = len(hit) * self.config.block_size
         first_step = num_external if num_external else min(req.num_tokens - num_local, budget)
         self.pool.take(hit)
         req.blocks = list(hit)
@@ -458,7 +473,8 @@ class World:
         if req.looked_up:
             stores = [job for job in self.executor.of(req.req_id) if job.kind == "store"]
             delay = self.connector.request_finished(req, list(req.blocks))
-            invariants.finish(req, delay, stores)
+            if not self.fenced:
+                invariants.finish(req, delay, stores)
         if delay or loading:
             self.delayed[req.req_id] = req
         else:
@@ -466,8 +482,8 @@ class World:
 
     def _release(self, blocks: list[int]) -> None:
         for b in blocks:
-            if self.pool.refs[b] == 1:
-                invariants.not_in_flight(self, b, "freed")
+            if self.pool.refs[b] == 1:  # a fenced connector may free under stores: they must flush before reuse
+                invariants.not_in_flight(self, b, "freed", ("load",) if self.fenced else ("store", "load"))
         self.pool.release(blocks)
 
     # ---- for the kit ---------------------------------------------------------------------------------------

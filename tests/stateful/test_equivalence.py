@@ -31,7 +31,7 @@ def test_reference_equals_spec(name):
     run_conformance(ReferenceConnector, SCENARIOS[name], level="exact", kv_factory=TensorKV)
 
 
-@pytest.mark.parametrize("i, name", enumerate([*SCENARIOS, *ARC_SCENARIOS]))
+@pytest.mark.parametrize("i, name", list(enumerate([*SCENARIOS, *ARC_SCENARIOS])))
 def test_impl_equals_spec(i, name):
     scenario = {**SCENARIOS, **ARC_SCENARIOS}[name]
     run_conformance(OffloadConnector, scenario, level="exact", kv_factory=LAYOUTS[i % len(LAYOUTS)])
