@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from kvoffload.spec.config import Config
-from kvoffload.spec.types import Observation
+from kvoffload.spec.types import OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, Observation
 
 from .scheduler import OffloadScheduler
 from .worker import OffloadWorker
 
 
 class OffloadConnector(OffloadScheduler, OffloadWorker):
+    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES})
+
     def __init__(self, config: Config) -> None:
         OffloadScheduler.__init__(self, config)
         OffloadWorker.__init__(self, config)

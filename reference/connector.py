@@ -14,7 +14,8 @@ import torch
 from attrs import define
 
 from kvoffload.spec.config import BlockIdError, Config, ConfigError, UnknownRequestError
-from kvoffload.spec.types import Copy, Event, Job, Observation, SchedulerOutput, TransferPlan, WorkerOutput
+from kvoffload.spec.types import (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, Copy, Event, Job, Observation,
+                                  SchedulerOutput, TransferPlan, WorkerOutput)
 from kvoffload.spec.world import Executor, Request
 
 from .tier import LRUTier
@@ -55,6 +56,7 @@ class TensorKV:
 
 
 class ReferenceConnector:
+    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES})
     tier_class = LRUTier
 
     def __init__(self, config: Config) -> None:

@@ -21,11 +21,14 @@ Worker side
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from attrs import define, field
 
 from .config import Config, UnknownRequestError
 from .tier import Tier
-from .types import Copy, Event, Job, Key, Observation, SchedulerOutput, TransferPlan, WorkerOutput
+from .types import (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, Copy, Event, Job, Key, Observation, SchedulerOutput,
+                    TransferPlan, WorkerOutput)
 from .world import Executor, ListKV, Request
 
 
@@ -48,6 +51,7 @@ def offload_keys(req: Request, config: Config) -> list[Key]:
 
 @define
 class SpecConnector:
+    capabilities: ClassVar[frozenset[str]] = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES})
     config: Config
     tier: Tier = field()
     requests: dict[str, Request] = field(factory=dict)

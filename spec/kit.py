@@ -1,29 +1,42 @@
 """The conformance kit: drive any connector through the world with Hypothesis and check the invariants.
 
     from kvoffload.spec.kit import Scenario, run_conformance
-    run_conformance(MyConnector, Scenario(Config(tier_blocks=2)), level="invariants")
+    coverage = run_conformance(MyConnector, Scenario(Config(tier_blocks=2)), level="invariants", profile="pr")
+    print(coverage)
 
-``factory(config)`` returns an object with the ``Connector`` method set. Optional capabilities, found by name:
-``observe()`` (tracked tables, cursors, tier, jobs: enables TRACK, REF, CURSOR and the exact level) and
-``refuse_next_store()`` (fault injection into the tier's allocator). Level "exact" also runs the spec connector in
-a twin world fed the same rules and requires identical worlds and observations after every rule.
+``factory(config)`` returns an adapter: the ``Connector`` method set plus ``capabilities``, a set of names from
+``kvoffload.spec.types`` (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES). A rule or invariant that needs a
+capability the adapter does not declare is skipped, and every skip is reported with its reason (a warning, and in
+the returned ``Coverage``). Level "exact" also runs the spec connector in a twin world fed the same rules and
+requires identical worlds and observations after every engine step. A failure is raised shrunk, with the spec
+version in its message; with ``trace=`` its program is also written as JSON Lines (replay: ``kvoffload.spec.trace``).
+
+The public API is this module's ``__all__`` and ``kvoffload.spec.trace``; it changes only with ``SPEC_VERSION``.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
+from collections import Counter
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
-from attrs import fields, frozen
+from attrs import define, field, fields, frozen
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
+from . import invariants
 from .config import Config
 from .connector import SpecConnector
 from .invariants import SPEC_VERSION, Violation
+from .types import (CAPABILITIES, CAPABILITY_METHODS, FENCED_FREES, OBSERVE, REFUSE_STORE, TRANSFER_FAILURES)
 from .world import Executor, ListKV, World
+
+__all__ = ["SPEC_VERSION", "ConformanceMachine", "Coverage", "Level", "Scenario", "SkippedRule", "capabilities_of",
+           "load_profile", "make_machine", "max_tokens", "prompts", "run_conformance"]
 
 Level = Literal["invariants", "exact"]
 
@@ -76,108 +89,206 @@ class Scenario:
                 f"{timing}{' failures' if self.failures else ''}")
 
 
+# ---- capabilities and coverage ---------------------------------------------------------------------------
+class SkippedRule(UserWarning):
+    """A rule or invariant the kit could not run against this adapter: a capability it does not declare."""
+
+
+def capabilities_of(adapter: Any) -> frozenset[str]:
+    """The adapter's declared capabilities, checked: known names, and the methods they promise are there."""
+    declared = frozenset(getattr(adapter, "capabilities", ()))
+    unknown = declared - set(CAPABILITIES)
+    if unknown:
+        raise TypeError(f"{type(adapter).__name__} declares unknown capabilities {sorted(unknown)}; "
+                        f"known: {', '.join(CAPABILITIES)}")
+    missing = [f"{name} needs {method}()" for name, method in CAPABILITY_METHODS.items()
+               if name in declared and not callable(getattr(adapter, method, None))]
+    if missing:
+        raise TypeError(f"{type(adapter).__name__} declares capabilities it lacks: {'; '.join(missing)}")
+    return declared
+
+
+def skipped_by(declared: frozenset[str], scenario: Scenario) -> dict[str, str]:
+    """What this adapter in this scenario cannot exercise, and why."""
+    skipped = {}
+    if OBSERVE not in declared:
+        skipped["TRACK, REF, CURSOR"] = "the adapter does not declare 'observe' (no tracked tables, cursors, tier)"
+    if REFUSE_STORE not in declared:
+        skipped["refuse_next_store"] = "the adapter does not declare 'refuse_store'"
+    if not scenario.delay:
+        skipped["advance_transfers"] = "the scenario completes transfers at submit (delay=0)"
+    if not scenario.failures:
+        skipped["fail_next_transfer"] = "the scenario has failures=False"
+    elif TRANSFER_FAILURES not in declared:
+        skipped["fail_next_transfer"] = "the adapter does not declare 'transfer_failures'"
+    if FENCED_FREES in declared:
+        skipped["FINISH, SRC ownership"] = "the adapter declares 'fenced_frees' (its stores' bytes are checked)"
+    return skipped
+
+
+@define
+class Coverage:
+    """What one kit run exercised: how often each rule ran, which preconditions never held, what was skipped and
+    why, how often each invariant was evaluated, and what the worlds went through (steps, preemptions, hits...)."""
+
+    rules: Counter[str] = field(factory=Counter)
+    enabled: Counter[str] = field(factory=Counter)  # precondition evaluations that held, per guarded rule
+    guarded: set[str] = field(factory=set)  # rules behind a precondition
+    skipped: dict[str, str] = field(factory=dict)
+    invariants: Counter[str] = field(factory=Counter)
+    world: Counter[str] = field(factory=Counter)
+    examples: int = 0
+
+    def never_held(self) -> list[str]:
+        return sorted(r for r in self.guarded if not self.enabled[r] and r not in self.skipped)
+
+    def __str__(self) -> str:
+        lines = [f"kvoffload kit coverage (spec {SPEC_VERSION}): {self.examples} programs, "
+                 f"{sum(self.rules.values())} rules, {self.world['steps']} engine steps"]
+        lines.append("  rules:      " + ", ".join(f"{r} {n}" for r, n in sorted(self.rules.items())))
+        lines.append("  invariants: " + ", ".join(f"{i} {n}" for i, n in sorted(self.invariants.items())))
+        lines.append("  world:      " + ", ".join(f"{k} {n}" for k, n in self.world.items() if k != "checks"))
+        lines += [f"  never held: {r} (its precondition was always false)" for r in self.never_held()]
+        lines += [f"  skipped:    {r}: {why}" for r, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+_GUARDED: set[str] = set()  # rules behind a precondition
+
+
+def _when(name: str, predicate: Callable[[Any], Any]) -> Callable:
+    """The precondition of rule ``name``, counting how often it held, for the coverage report."""
+    _GUARDED.add(name)
+
+    def guard(self: ConformanceMachine) -> bool:
+        held = bool(predicate(self))
+        self.coverage.enabled[name] += held
+        return held
+    return guard
+
+
 # ---- the state machine -------------------------------------------------------------------------------------
 class ConformanceMachine(RuleBasedStateMachine):
-    """Random batches, preemptions, aborts, store refusals and transfer delays/failures against one connector."""
+    """Random batches, preemptions, aborts, store refusals and transfer delays/failures against one adapter."""
 
     factory: Callable[[Config], Any] = SpecConnector
     kv_factory: Callable[[int], Any] = ListKV
     scenario: Scenario = Scenario()
     level: Level = "invariants"
+    coverage: Coverage = Coverage()
 
     def __init__(self) -> None:
         super().__init__()
-        self.rules_run, self.failed = 0, False
+        self.trace: list[tuple[str, dict[str, Any]]] = []  # the rules run, with their arguments
+        self.failed = False
         self.worlds = [self._world(self.factory, self.kv_factory)]
+        self.declared = capabilities_of(self.subject.connector)
+        self.coverage.skipped = skipped_by(self.declared, self.scenario)
+        self.coverage.examples += 1
         if self.level == "exact":
             self.worlds.append(self._world(SpecConnector, ListKV))
 
     def _world(self, factory: Callable[[Config], Any], kv_factory: Callable[[int], Any]) -> World:
         config = self.scenario.config
         connector = factory(config)
+        declared = capabilities_of(connector)
         return World(config, connector, kv_factory(config.num_gpu_blocks), Executor(self.scenario.delay),
-                     observable=hasattr(connector, "observe"))
+                     observable=OBSERVE in declared, fenced=FENCED_FREES in declared)
 
     @property
     def subject(self) -> World:
         return self.worlds[0]
 
+    def can(self, capability: str) -> bool:
+        return capability in self.declared
+
     @contextmanager
-    def _rule(self) -> Iterator[None]:
-        self.rules_run += 1
+    def _guard(self) -> Iterator[None]:
         try:
             yield
         except Exception as exc:
             self.failed = True  # teardown must not bury this failure under a second one
-            exc.kvoffload_rules_run = self.rules_run  # the program's length, reported per faulty variant
+            exc.kvoffload_rules_run = len(self.trace)  # the program's length, reported per faulty variant
+            exc.kvoffload_trace = list(self.trace)  # the last run Hypothesis raises from is the shrunk one
+            exc.kvoffload_coverage = self.coverage
             if not isinstance(exc, Violation):
-                exc.add_note(f"[kvoffload spec {SPEC_VERSION}] raised by the connector after {self.rules_run} rules")
+                exc.add_note(f"[kvoffload spec {SPEC_VERSION}] raised by the connector after {len(self.trace)} rules")
             raise
+
+    @contextmanager
+    def _rule(self, name: str, **args: Any) -> Iterator[None]:
+        self.trace.append((name, args))
+        self.coverage.rules[name] += 1
+        with self._guard():
+            yield
 
     @rule(batch=st.lists(st.tuples(prompts(), max_tokens()), min_size=1, max_size=4))
     def add_requests(self, batch: list[tuple[list[int], int]]) -> None:
-        with self._rule():
+        with self._rule("add_requests", batch=batch):
             for prompt, max_tokens in batch[:self.scenario.max_live - len(self.subject.requests)]:
                 for world in self.worlds:
                     world.add_request(prompt, max_tokens)
 
     @rule(n=st.integers(1, 6))
     def step(self, n: int) -> None:
-        with self._rule():
+        with self._rule("step", n=n):
             for _ in range(n):
                 for world in self.worlds:
                     world.step()
                 self._compare()  # after every engine step: a difference may not outlive the rule
 
-    @precondition(lambda self: self.subject.requests)
+    @precondition(_when("abort", lambda self: self.subject.requests))
     @rule(i=st.integers(0, 63))
     def abort(self, i: int) -> None:
-        with self._rule():
+        with self._rule("abort", i=i):
             for world in self.worlds:
                 live = list(world.requests.values())
                 world.abort(live[i % len(live)])
 
     @rule()
     def reset_prefix_cache(self) -> None:
-        with self._rule():
+        with self._rule("reset_prefix_cache"):
             for world in self.worlds:
                 world.reset_prefix_cache()
 
-    @precondition(lambda self: hasattr(self.subject.connector, "refuse_next_store"))
+    @precondition(_when("refuse_next_store", lambda self: self.can(REFUSE_STORE)))
     @rule()
     def refuse_next_store(self) -> None:
-        with self._rule():
+        with self._rule("refuse_next_store"):
             for world in self.worlds:
                 world.connector.refuse_next_store()
 
-    @precondition(lambda self: self.scenario.delay and self.subject.executor.jobs)
+    @precondition(_when("advance_transfers", lambda self: self.scenario.delay and self.subject.executor.jobs))
     @rule(picks=st.lists(st.tuples(st.integers(0, 63), st.booleans()), min_size=1, max_size=8))
     def advance_transfers(self, picks: list[tuple[int, bool]]) -> None:
         """Move picked transfers a stage on (execute or fail, then report), in the order given."""
-        with self._rule():
+        with self._rule("advance_transfers", picks=picks):
+            may_fail = self.scenario.failures and self.can(TRANSFER_FAILURES)
             for world in self.worlds:
                 for i, fail in picks:
                     if world.executor.jobs:
-                        world.executor.advance(i, fail and self.scenario.failures)
+                        world.executor.advance(i, fail and may_fail)
 
-    @precondition(lambda self: self.scenario.failures)
+    @precondition(_when("fail_next_transfer",
+                         lambda self: self.scenario.failures and self.can(TRANSFER_FAILURES)))
     @rule()
     def fail_next_transfer(self) -> None:
-        with self._rule():
+        with self._rule("fail_next_transfer"):
             for world in self.worlds:
                 world.executor.fail_next = True
 
     @invariant()
     def invariants_hold(self) -> None:
-        with self._rule():
+        with self._guard():
             for world in self.worlds:
                 world.check()
             self._compare()
 
     def teardown(self) -> None:
+        self.coverage.world.update({k: n for k, n in self.subject.stats.items()})
         if self.failed:
             return
-        with self._rule():
+        with self._guard():
             for world in self.worlds:
                 world.drain()
             self._compare()
@@ -199,15 +310,30 @@ class ConformanceMachine(RuleBasedStateMachine):
 
 def make_machine(factory: Callable[[Config], Any], scenario: Scenario = Scenario(), level: Level = "invariants",
                  kv_factory: Callable[[int], Any] = ListKV, name: str | None = None) -> type[ConformanceMachine]:
-    """A ConformanceMachine subclass bound to one connector and one scenario (its ``TestCase`` runs it in pytest)."""
-    attrs = dict(factory=staticmethod(factory), kv_factory=staticmethod(kv_factory), scenario=scenario, level=level)
+    """A ConformanceMachine subclass bound to one adapter and one scenario (its ``TestCase`` runs it in pytest)."""
+    attrs = dict(factory=staticmethod(factory), kv_factory=staticmethod(kv_factory), scenario=scenario, level=level,
+                 coverage=Coverage(guarded=set(_GUARDED)))
     return type(name or f"Conformance_{getattr(factory, '__name__', 'connector')}", (ConformanceMachine,), attrs)
 
 
 def run_conformance(factory: Callable[[Config], Any], scenario: Scenario = Scenario(), level: Level = "invariants",
                     kv_factory: Callable[[int], Any] = ListKV, profile: str | None = None,
-                    **overrides: Any) -> None:
-    """Run the kit against ``factory``; raises the (shrunk) failure, with the spec version in its message."""
+                    trace: str | os.PathLike | None = None, **overrides: Any) -> Coverage:
+    """Run the kit against ``factory`` and return what it exercised. A failure is raised shrunk, with the spec
+    version in its message; with ``trace`` its program is written there as JSON Lines first."""
     base = load_profile(profile) if profile else settings.default
     machine = make_machine(factory, scenario, level, kv_factory)
-    run_state_machine_as_test(machine, settings=settings(base, **overrides))
+    checked_before = Counter(invariants.CHECKED)
+    try:
+        run_state_machine_as_test(machine, settings=settings(base, **overrides))
+    except Exception as exc:
+        if trace is not None and hasattr(exc, "kvoffload_trace"):
+            from .trace import write_trace  # the trace module builds on this one
+            write_trace(Path(trace), machine, exc)
+            exc.add_note(f"program written to {trace}; replay: python -m kvoffload.spec.trace {trace}")
+        raise
+    finally:
+        machine.coverage.invariants.update(Counter(invariants.CHECKED) - checked_before)
+    for what, why in machine.coverage.skipped.items():
+        warnings.warn(SkippedRule(f"kvoffload kit skipped {what}: {why}"), stacklevel=2)
+    return machine.coverage

@@ -3,3 +3,5 @@
 from kvoffload.spec.kit import load_profile
 
 load_profile()
+
+pytest_plugins = ["pytester"]  # tests/kit/test_plugin.py runs the kit's pytest plugin in a scratch project

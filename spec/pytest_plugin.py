@@ -1,0 +1,92 @@
+"""pytest plugin (entry point ``pytest11: kvoffload``): the conformance kit as fixtures.
+
+In your conftest.py override ``kvoffload_adapter`` (and, if you like, ``kvoffload_scenario`` / ``kvoffload_level``);
+in a test call the runner:
+
+    @pytest.fixture
+    def kvoffload_adapter():
+        return MyConnector  # config -> adapter
+
+    def test_conformance(kvoffload_conformance):
+        kvoffload_conformance()
+
+``--kvoffload-profile=pr|nightly|mutation`` picks the Hypothesis profile. ``@pytest.mark.kvoffload_slow`` runs a
+quarter of the profile's programs, half as long, for slow machines. A failing run writes its shrunk program to
+``--kvoffload-trace-dir`` (default ``kvoffload-traces``) as JSON Lines; ``python -m kvoffload.spec.trace FILE``
+replays it. Coverage of every run is printed at the end of the session.
+
+Nothing here imports Hypothesis until a kit fixture is used: pytest loads this plugin wherever kvoffload is installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+PROFILES = ("pr", "nightly", "mutation")
+_REPORTS = pytest.StashKey[list]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvoffload", "kvoffload conformance kit")
+    group.addoption("--kvoffload-profile", choices=PROFILES, default=None,
+                    help="Hypothesis profile for kit runs (default: $HYPOTHESIS_PROFILE, else pr)")
+    group.addoption("--kvoffload-trace-dir", default="kvoffload-traces",
+                    help="where failing kit runs write their shrunk program (JSON Lines)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "kvoffload_slow: run the kit at a quarter of the profile's programs, "
+                                       "half as long each (slow machines)")
+    config.stash[_REPORTS] = []
+    if config.getoption("kvoffload_profile"):
+        from .kit import load_profile
+        load_profile(config.getoption("kvoffload_profile"))
+
+
+@pytest.fixture
+def kvoffload_adapter() -> Callable[[Any], Any]:
+    """Override in your conftest.py: return ``config -> adapter`` (your connector class, usually)."""
+    raise pytest.UsageError("override the kvoffload_adapter fixture in your conftest.py: "
+                            "return a callable taking a kvoffload.spec.Config and returning your connector")
+
+
+@pytest.fixture
+def kvoffload_scenario() -> Any:
+    from .kit import Scenario
+    return Scenario()
+
+
+@pytest.fixture
+def kvoffload_level() -> str:
+    return "invariants"
+
+
+@pytest.fixture
+def kvoffload_conformance(request: pytest.FixtureRequest, kvoffload_adapter: Callable, kvoffload_scenario: Any,
+                          kvoffload_level: str) -> Callable[..., Any]:
+    """Runs the kit against ``kvoffload_adapter``; keyword arguments override Hypothesis settings."""
+    from hypothesis import settings
+
+    from .kit import run_conformance
+
+    def run(**overrides: Any) -> Any:
+        if request.node.get_closest_marker("kvoffload_slow"):
+            base = settings.default
+            overrides = {"max_examples": max(1, base.max_examples // 4),
+                         "stateful_step_count": max(1, base.stateful_step_count // 2), **overrides}
+        trace = Path(request.config.getoption("kvoffload_trace_dir")) / f"{request.node.name}.jsonl"
+        coverage = run_conformance(kvoffload_adapter, kvoffload_scenario, kvoffload_level, trace=trace, **overrides)
+        request.config.stash[_REPORTS].append((request.node.nodeid, coverage))
+        return coverage
+    return run
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    reports = config.stash.get(_REPORTS, [])
+    if reports:
+        terminalreporter.section("kvoffload kit coverage")
+        for nodeid, coverage in reports:
+            terminalreporter.write_line(f"{nodeid}\n{coverage}")

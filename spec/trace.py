@@ -1,0 +1,90 @@
+"""A failing kit run as a JSON Lines trace, and the replay that turns it back into the same failure.
+
+Line 1 says what ran: spec version, adapter and KV factories (``module:qualname``), level, scenario, and the
+failure. Every further line is one rule with its arguments, in order: the shrunk program. Replay builds the same
+machine and runs the program as Hypothesis did (invariants after the start and after every rule, then teardown):
+
+    python -m kvoffload.spec.trace kvoffload-traces/test_my_connector.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from attrs import asdict
+
+from .config import Config
+from .invariants import SPEC_VERSION
+from .kit import ConformanceMachine, Scenario, make_machine
+
+
+def qualified_name(obj: Any) -> str:
+    return f"{obj.__module__}:{obj.__qualname__}"
+
+
+def resolve(name: str) -> Any:
+    """The object a ``module:qualname`` names; a clear error for one defined inside a function."""
+    module, _, qualname = name.partition(":")
+    if "<locals>" in qualname:
+        raise ValueError(f"{name} was defined inside a function and cannot be imported: pass it to replay()")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def write_trace(path: Path, machine: type[ConformanceMachine], failure: BaseException) -> None:
+    header = {"kvoffload_trace": 1, "spec_version": SPEC_VERSION,
+              "adapter": qualified_name(machine.factory), "kv": qualified_name(machine.kv_factory),
+              "level": machine.level, "scenario": asdict(machine.scenario),
+              "failure": f"{type(failure).__name__}: {failure}".splitlines()[0]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for line in [header, *({"rule": name, "args": args} for name, args in failure.kvoffload_trace)]:
+            out.write(json.dumps(line) + "\n")
+
+
+def read_trace(path: str | Path) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
+    header, *rules = (json.loads(line) for line in Path(path).read_text().splitlines() if line.strip())
+    if header.get("kvoffload_trace") != 1:
+        raise ValueError(f"{path} is not a kvoffload trace")
+    return header, [(r["rule"], r["args"]) for r in rules]
+
+
+def replay(path: str | Path, adapter: Callable[[Config], Any] | None = None,
+           kv: Callable[[int], Any] | None = None) -> None:
+    """Run the trace's program again. Raises its failure; returns quietly if the program passes now (fixed)."""
+    header, program = read_trace(path)
+    if header["spec_version"] != SPEC_VERSION:
+        print(f"note: trace written by spec {header['spec_version']}, replayed by {SPEC_VERSION}", file=sys.stderr)
+    fields = header["scenario"]
+    scenario = Scenario(**{**fields, "config": Config(**fields["config"])})
+    machine = make_machine(adapter or resolve(header["adapter"]), scenario, header["level"],
+                           kv or resolve(header["kv"]))()
+    machine.invariants_hold()
+    try:
+        for name, args in program:
+            getattr(machine, name)(**args)
+            machine.invariants_hold()
+    finally:
+        machine.teardown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="replay a kvoffload kit trace")
+    parser.add_argument("trace", type=Path)
+    args = parser.parse_args(argv)
+    header, program = read_trace(args.trace)
+    print(f"replaying {len(program)} rules against {header['adapter']}; recorded: {header['failure']}")
+    replay(args.trace)
+    print("the program passes now")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

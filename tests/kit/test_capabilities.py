@@ -1,0 +1,56 @@
+"""Capabilities an adapter does not declare become skipped rules with a visible reason; coverage says what ran."""
+
+import pytest
+
+from kvoffload.spec import OBSERVE, SpecConnector
+from kvoffload.spec.kit import SkippedRule, capabilities_of, make_machine, run_conformance
+
+from .connectors import SCENARIO, Undeclared
+
+
+def test_undeclared_capabilities_are_skipped_with_reasons():
+    with pytest.warns(SkippedRule) as warned:
+        coverage = run_conformance(Undeclared, SCENARIO, profile="pr", max_examples=10)
+    messages = [str(w.message) for w in warned]
+    assert any("refuse_next_store" in m and "'refuse_store'" in m for m in messages)
+    assert any("TRACK, REF, CURSOR" in m and "'observe'" in m for m in messages)
+    assert any("fail_next_transfer" in m and "'transfer_failures'" in m for m in messages)
+    assert coverage.rules["refuse_next_store"] == coverage.rules["fail_next_transfer"] == 0
+    assert coverage.invariants["CONTENT"] > 0 and coverage.invariants["TRACK"] == 0
+    assert "skipped:    refuse_next_store: the adapter does not declare 'refuse_store'" in str(coverage)
+
+
+def test_a_full_adapter_exercises_every_rule():
+    coverage = run_conformance(SpecConnector, SCENARIO, profile="pr", max_examples=30)
+    assert coverage.skipped == {}
+    assert coverage.never_held() == []
+    assert all(coverage.rules[r] > 0 for r in ("add_requests", "step", "abort", "reset_prefix_cache",
+                                                "refuse_next_store", "advance_transfers", "fail_next_transfer"))
+    assert all(coverage.invariants[i] > 0 for i in ("TRACK", "SRC", "CONTENT", "REF", "CURSOR", "JOBS", "FINISH"))
+    assert coverage.world["steps"] > 0 and coverage.examples >= 30
+
+
+class NeverStores(SpecConnector):
+    def _store(self, req, full):
+        return None  # no transfer is ever in flight, so there is nothing to advance
+
+
+def test_a_precondition_that_never_holds_is_reported():
+    coverage = run_conformance(NeverStores, SCENARIO, profile="pr", max_examples=10)
+    assert coverage.never_held() == ["advance_transfers"]
+    assert "never held: advance_transfers (its precondition was always false)" in str(coverage)
+
+
+class Claims(SpecConnector):
+    capabilities = frozenset({OBSERVE, "teleport"})
+
+
+class ClaimsRefusals:
+    capabilities = frozenset({"refuse_store"})
+
+
+def test_unknown_or_unbacked_capabilities_are_errors():
+    with pytest.raises(TypeError, match="unknown capabilities \\['teleport'\\]"):
+        make_machine(Claims, SCENARIO)()
+    with pytest.raises(TypeError, match="refuse_store needs refuse_next_store"):
+        capabilities_of(ClaimsRefusals())
