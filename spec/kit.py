@@ -108,22 +108,23 @@ def capabilities_of(adapter: Any) -> frozenset[str]:
     return declared
 
 
-def skipped_by(declared: frozenset[str], scenario: Scenario) -> dict[str, str]:
-    """What this adapter in this scenario cannot exercise, and why."""
-    skipped = {}
+def skipped_by(declared: frozenset[str], scenario: Scenario) -> tuple[dict[str, str], dict[str, str]]:
+    """What this adapter cannot be checked for (capabilities it does not declare), and what this scenario turns off
+    (a choice, not a gap), each with its reason."""
+    unsupported, off = {}, {}
     if OBSERVE not in declared:
-        skipped["TRACK, REF, CURSOR"] = "the adapter does not declare 'observe' (no tracked tables, cursors, tier)"
+        unsupported["TRACK, REF, CURSOR"] = "the adapter does not declare 'observe' (no tracked tables, cursors, tier)"
     if REFUSE_STORE not in declared:
-        skipped["refuse_next_store"] = "the adapter does not declare 'refuse_store'"
-    if not scenario.delay:
-        skipped["advance_transfers"] = "the scenario completes transfers at submit (delay=0)"
-    if not scenario.failures:
-        skipped["fail_next_transfer"] = "the scenario has failures=False"
-    elif TRANSFER_FAILURES not in declared:
-        skipped["fail_next_transfer"] = "the adapter does not declare 'transfer_failures'"
+        unsupported["refuse_next_store"] = "the adapter does not declare 'refuse_store'"
     if FENCED_FREES in declared:
-        skipped["FINISH, SRC ownership"] = "the adapter declares 'fenced_frees' (its stores' bytes are checked)"
-    return skipped
+        unsupported["FINISH, SRC ownership"] = "the adapter declares 'fenced_frees' (its stores' bytes are checked)"
+    if not scenario.failures:
+        off["fail_next_transfer"] = "the scenario has failures=False"
+    elif TRANSFER_FAILURES not in declared:
+        unsupported["fail_next_transfer"] = "the adapter does not declare 'transfer_failures'"
+    if not scenario.delay:
+        off["advance_transfers"] = "the scenario completes transfers at submit (delay=0)"
+    return unsupported, off
 
 
 @define
@@ -134,13 +135,14 @@ class Coverage:
     rules: Counter[str] = field(factory=Counter)
     enabled: Counter[str] = field(factory=Counter)  # precondition evaluations that held, per guarded rule
     guarded: set[str] = field(factory=set)  # rules behind a precondition
-    skipped: dict[str, str] = field(factory=dict)
+    skipped: dict[str, str] = field(factory=dict)  # needs a capability the adapter does not declare (warned)
+    off: dict[str, str] = field(factory=dict)  # turned off by the scenario
     invariants: Counter[str] = field(factory=Counter)
     world: Counter[str] = field(factory=Counter)
     examples: int = 0
 
     def never_held(self) -> list[str]:
-        return sorted(r for r in self.guarded if not self.enabled[r] and r not in self.skipped)
+        return sorted(r for r in self.guarded if not self.enabled[r] and r not in {*self.skipped, *self.off})
 
     def __str__(self) -> str:
         lines = [f"kvoffload kit coverage (spec {SPEC_VERSION}): {self.examples} programs, "
@@ -150,6 +152,7 @@ class Coverage:
         lines.append("  world:      " + ", ".join(f"{k} {n}" for k, n in self.world.items() if k != "checks"))
         lines += [f"  never held: {r} (its precondition was always false)" for r in self.never_held()]
         lines += [f"  skipped:    {r}: {why}" for r, why in self.skipped.items()]
+        lines += [f"  off:        {r}: {why}" for r, why in self.off.items()]
         return "\n".join(lines)
 
 
@@ -183,7 +186,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.failed = False
         self.worlds = [self._world(self.factory, self.kv_factory)]
         self.declared = capabilities_of(self.subject.connector)
-        self.coverage.skipped = skipped_by(self.declared, self.scenario)
+        self.coverage.skipped, self.coverage.off = skipped_by(self.declared, self.scenario)
         self.coverage.examples += 1
         if self.level == "exact":
             self.worlds.append(self._world(SpecConnector, ListKV))

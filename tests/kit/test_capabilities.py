@@ -1,9 +1,11 @@
 """Capabilities an adapter does not declare become skipped rules with a visible reason; coverage says what ran."""
 
+import warnings
+
 import pytest
 
 from kvoffload.spec import OBSERVE, SpecConnector
-from kvoffload.spec.kit import SkippedRule, capabilities_of, make_machine, run_conformance
+from kvoffload.spec.kit import Scenario, SkippedRule, capabilities_of, make_machine, run_conformance
 
 from .connectors import SCENARIO, Undeclared
 
@@ -54,3 +56,11 @@ def test_unknown_or_unbacked_capabilities_are_errors():
         make_machine(Claims, SCENARIO)()
     with pytest.raises(TypeError, match="refuse_store needs refuse_next_store"):
         capabilities_of(ClaimsRefusals())
+
+
+def test_what_the_scenario_turns_off_is_reported_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        coverage = run_conformance(SpecConnector, Scenario(), profile="pr", max_examples=5)
+    assert set(coverage.off) == {"advance_transfers", "fail_next_transfer"} and not coverage.skipped
+    assert "off:        advance_transfers: the scenario completes transfers at submit (delay=0)" in str(coverage)
