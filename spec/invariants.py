@@ -15,7 +15,7 @@ from .types import Observation, WorkerOutput
 if TYPE_CHECKING:
     from .world import Job, Request, World
 
-SPEC_VERSION = "0.1"
+SPEC_VERSION = "0.2"
 
 
 class Violation(AssertionError):
@@ -206,11 +206,12 @@ def completions(world: World, output: WorkerOutput, polled: list[Job], load_erro
 
 
 def lookup(req: Request, num_local: int, num_external: int | None, is_async: bool) -> None:
-    """LOOKUP — hits leave at least one prompt token to compute (the engine needs a logit) and load asynchronously.
-    (None is "ask me again next step": vLLM's answer while a request still has transfers in flight.)"""
+    """LOOKUP — a hit lies within the request's tokens and loads asynchronously. (A hit of the whole prompt is
+    allowed: the engine recomputes the last token to sample the next, as vLLM 0.32 does. None is "ask me again next
+    step": vLLM's answer while a request still has transfers in flight.)"""
     if num_external is None:
         return
-    _require(num_external >= 0 and num_local + num_external <= req.num_tokens - 1, "LOOKUP",
+    _require(num_external >= 0 and num_local + num_external <= req.num_tokens, "LOOKUP",
              f"request {req.req_id}: {num_local} local + {num_external} external hit tokens of {req.num_tokens}")
     _require(num_external == 0 or is_async, "LOOKUP", f"request {req.req_id}: a tier hit must load asynchronously")
 

@@ -24,14 +24,15 @@ from .kit import ConformanceMachine, Scenario, make_machine
 
 
 def qualified_name(obj: Any) -> str:
-    return f"{obj.__module__}:{obj.__qualname__}"
+    return f"{obj.__module__}:{obj.__qualname__}" if hasattr(obj, "__qualname__") else repr(obj)
 
 
 def resolve(name: str) -> Any:
     """The object a ``module:qualname`` names; a clear error for one defined inside a function."""
     module, _, qualname = name.partition(":")
-    if "<locals>" in qualname:
-        raise ValueError(f"{name} was defined inside a function and cannot be imported: pass it to replay()")
+    if not qualname or "<locals>" in qualname:
+        raise ValueError(f"{name} cannot be imported by name (defined in a function, or not a function or class): "
+                         f"pass it to replay()")
     obj = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)

@@ -444,6 +444,7 @@ class World:
             self.stats["blocks_loaded"] += (done - req.num_computed_tokens) // self.config.block_size
             req.num_computed_tokens, req.state = done, State.WAITING
             self._cache_full_blocks(req)
+            req.num_computed_tokens = min(done, req.num_tokens - 1)  # a whole-prompt hit recomputes the last token
 
     def _after_forward(self, out: SchedulerOutput) -> None:
         for s in out.scheduled:

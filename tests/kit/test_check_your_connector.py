@@ -29,5 +29,5 @@ def test_a_broken_connector_fails_with_a_readable_report():
     with pytest.raises(Violation) as failure:
         exec(compile(examples()[1], str(PAGE), "exec"), scope)
     report = str(failure.value)
-    assert report.startswith("[kvoffload spec 0.1] FINISH: request r")
+    assert report.startswith("[kvoffload spec 0.2] FINISH: request r")
     assert "delay=False" in report and "store(s) in flight" in report

@@ -1,11 +1,13 @@
 """Connector variants the engine tests load by module path: one whose transfers really fail, one that records
-the KV events it hands vLLM, one with the seed bug (for the shadow monitor to catch)."""
+the KV events it hands vLLM, one with the seed bug (for the shadow monitor and black-box mode to catch); and vLLM's
+OffloadingConnector with transfer failures injected (a known divergence)."""
 
 from __future__ import annotations
 
 from kvoffload.impl import OffloadConnector
 from kvoffload.spec.types import TransferPlan
 from kvoffload.impl.transfer import InlineExecutor
+from kvoffload.impl.vllm_blackbox import BlackBox, OffloadingTransfers, vllm_offloading_connector
 from kvoffload.impl.vllm_connector import KVOffloadConnector
 
 
@@ -78,3 +80,16 @@ class SeedBugConnector(KVOffloadConnector):
         self.offload = _BreakOnRefusedStore(self.config)
         if self.shadow:
             self.shadow.production = self.offload
+
+
+class _ReportsFailures(OffloadingTransfers):
+    """vLLM's worker metadata has no success flag (its worker asserts success): a failed transfer can only be
+    reported as done. Declaring failures lets the kit inject them and show what the scheduler side then does."""
+
+    failures = True
+
+
+def vllm_offloading_with_failures(config):
+    """vLLM's OffloadingConnector in black-box mode, with transfer failures injected (known divergence)."""
+    box = vllm_offloading_connector(config)
+    return BlackBox(config, box.connector, _ReportsFailures(), refuse=box.refuse_next_store)

@@ -1,0 +1,314 @@
+"""Black-box mode: any vLLM KV connector (``KVConnectorBase_V1``, scheduler side) driven by the kit's world.
+
+``BlackBox`` is a kit adapter. It feeds the connector real vLLM ``Request``, ``KVCacheBlocks`` and
+``SchedulerOutput`` objects built from the world, and plays the worker side itself: each transfer the connector's
+metadata asks for becomes a world job that the environment executes, holds back and reorders, and completions go
+back in the connector's own worker metadata. Nothing inside the connector is read; the checks come from what it
+emits:
+
+  * every GPU block a store or load names must be in that request's block table, at a full block (a connector
+    whose tracked table drifted, as in the v0.11 seed bug, names blocks the request does not hold, or wrong ones);
+  * the world then checks the bytes each store reads as it executes (SRC), every computed block after every rule
+    (CONTENT: a load from the wrong tier slot shows here), delayed frees, flushes before reuse, completions once.
+
+A connector's metadata format is its own, so a small ``Transfers`` reader translates it. One ships for vLLM's
+``OffloadingConnector`` (``offloading_connector`` builds it with its real CPU manager). GPU block ids are shifted by
+one on the way in and out: vLLM reserves block 0 as its null block, the world does not.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (KVCacheBlock, get_request_block_hasher, init_none_hash,  # noqa: E402
+                                         make_block_hash_with_group_id)
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput as VllmSchedulerOutput  # noqa: E402
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import Request as VllmRequest  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvoffload.spec.config import Config, ConfigError  # noqa: E402
+from kvoffload.spec.invariants import Violation  # noqa: E402
+from kvoffload.spec.types import (FENCED_FREES, REFUSE_STORE, TRANSFER_FAILURES, Copy, Event, Job,  # noqa: E402
+                                  SchedulerOutput, WorkerOutput)
+from kvoffload.spec.world import GARBAGE, Executor, ListKV, Request, State  # noqa: E402
+
+from .vllm_harness import LAYERS, make_configs  # noqa: E402
+
+NULL_BLOCKS = 1  # vLLM's block 0 is the null block: world block b is vLLM block b + 1
+
+
+class Transfer(NamedTuple):
+    job_id: int
+    req_id: str
+    kind: str  # "load" | "store"
+    gpu_blocks: tuple[int, ...]  # vLLM ids
+    tier_slots: tuple[int, ...]  # one per GPU block (offload block = GPU block)
+
+
+class Transfers(Protocol):
+    """A connector's metadata format: the transfers it asks for, the jobs to flush, and completions back."""
+
+    failures: bool  # the connector accepts failed transfers (success=False)
+    fenced: bool  # it frees under in-flight stores and names them in a flush list (types.FENCED_FREES)
+
+    def transfers(self, metadata: Any) -> Iterator[Transfer]: ...
+    def flushes(self, metadata: Any, in_flight: dict[int, Transfer]) -> set[int]: ...
+    def worker_meta(self, job_results: list[tuple[int, bool]]) -> Any: ...
+
+
+class OffloadingTransfers:
+    """vLLM's ``OffloadingConnector``: load/store jobs keyed by job id, a flush list, ``completed_jobs`` back.
+    Its worker asserts that every transfer succeeded, so no failure is ever injected."""
+
+    failures, fenced = False, True
+
+    def transfers(self, metadata: Any) -> Iterator[Transfer]:
+        for kind, jobs in (("load", metadata.load_jobs), ("store", metadata.store_jobs)):
+            for job_id, job in jobs.items():
+                gpu, tier = (job.dst_spec, job.src_spec) if kind == "load" else (job.src_spec, job.dst_spec)
+                yield Transfer(job_id, job.req_id, kind, tuple(map(int, gpu.block_ids)),
+                               tuple(map(int, tier.block_ids)))
+
+    def flushes(self, metadata: Any, in_flight: dict[int, Transfer]) -> set[int]:
+        return set(metadata.jobs_to_flush or ())
+
+    def worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
+        return OffloadingWorkerMetadata({job_id: 1 for job_id, _ok in job_results}) if job_results else None
+
+
+class KVOffloadTransfers:
+    """Our ``KVOffloadConnector``: a plan of transfer specs; a preempted request's stores are flushed."""
+
+    failures, fenced = True, False
+
+    def transfers(self, metadata: Any) -> Iterator[Transfer]:
+        for spec in (*metadata.plan.loads, *metadata.plan.stores):
+            yield Transfer(spec.job_id, spec.req_id, spec.kind, tuple(spec.blocks), tuple(spec.rows))
+
+    def flushes(self, metadata: Any, in_flight: dict[int, Transfer]) -> set[int]:
+        return {job_id for job_id, t in in_flight.items() if t.kind == "store" and t.req_id in metadata.preempted}
+
+    def worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
+        from .vllm_connector import KVOffloadWorkerMetadata
+        return KVOffloadWorkerMetadata(tuple(job_results)) if job_results else None
+
+
+class BlackBox:
+    """A vLLM connector's scheduler side, plus a played worker side, as a kit adapter."""
+
+    def __init__(self, config: Config, connector: Any, transfers: Transfers,
+                 refuse: Callable[[], None] | None = None) -> None:
+        if config.k != 1:
+            raise ConfigError("black-box mode maps one tier slot to one GPU block: offload_block_size must equal "
+                              f"block_size, got {config.offload_block_size} and {config.block_size}")
+        self.config, self.connector, self.reader = config, connector, transfers
+        self.capabilities = frozenset({name for name, on in ((FENCED_FREES, transfers.fenced), (REFUSE_STORE, refuse),
+                                                             (TRANSFER_FAILURES, transfers.failures)) if on})
+        if refuse:
+            self.refuse_next_store = refuse
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(config.block_size, sha256)
+        self.seen: dict[str, tuple[Request, VllmRequest]] = {}  # world request, vLLM request
+        self.metadata: Any = None  # this step's, for handle_preemptions (the world passes only the ids)
+        self.pending: dict[int, tuple[Transfer, tuple[Copy, ...]]] = {}  # asked for this step, not submitted
+        self.delayed: set[str] = set()  # request_finished returned True
+        self.in_flight: dict[int, Transfer] = {}  # submitted, not polled
+        self.tier: dict[int, int] = {}  # tier slot -> content
+        self.load_errors: set[int] = set()
+        self.kv: ListKV | None = None
+        self.executor: Executor | None = None
+
+    # ---- world -> vLLM ---------------------------------------------------------------------------------------
+    def _vllm(self, req: Request) -> VllmRequest:
+        """The vLLM request mirroring ``req``: same tokens (so the same block hashes), same progress."""
+        if req.req_id not in self.seen:
+            vreq = VllmRequest(req.req_id, list(req.prompt), SamplingParams(max_tokens=req.max_tokens), None,
+                               block_hasher=self.hasher)
+            self.seen[req.req_id] = (req, vreq)
+            self.connector.on_new_request(vreq)
+        vreq = self.seen[req.req_id][1]
+        for token in req.tokens[vreq.num_tokens:]:
+            vreq.append_output_token_ids(token)
+        vreq.num_computed_tokens = req.num_computed_tokens
+        return vreq
+
+    def _blocks(self, req: Request, block_ids: list[int]) -> KVCacheBlocks:
+        blocks = [KVCacheBlock(b + NULL_BLOCKS) for b in block_ids]
+        vreq = self.seen[req.req_id][1]
+        for block, block_hash in zip(blocks[:req.num_cached_blocks], vreq.block_hashes):  # the GPU prefix hit
+            block.set_block_hash(make_block_hash_with_group_id(block_hash, 0))
+        return KVCacheBlocks((blocks,))
+
+    @staticmethod
+    def _ids(block_ids: tuple[int, ...] | None) -> tuple[list[int]] | None:
+        return None if block_ids is None else ([b + NULL_BLOCKS for b in block_ids],)
+
+    def _scheduler_output(self, out: SchedulerOutput) -> VllmSchedulerOutput:
+        new, cached = [], CachedRequestData.make_empty()
+        for s in out.scheduled:
+            req, vreq = self.seen[s.req_id]
+            self._vllm(req)
+            vreq.num_computed_tokens, vreq.status = s.num_computed_tokens, RequestStatus.RUNNING
+            if s.kind == "new":
+                new.append(NewRequestData.from_request(vreq, self._ids(s.block_ids)))
+                continue
+            cached.req_ids.append(s.req_id)
+            if s.kind == "resumed":
+                cached.resumed_req_ids.add(s.req_id)
+            cached.new_token_ids.append([])
+            cached.new_block_ids.append(self._ids(s.block_ids))
+            cached.num_computed_tokens.append(s.num_computed_tokens)
+            cached.num_output_tokens.append(vreq.num_output_tokens)
+        for req_id in out.preempted_req_ids:
+            vreq = self.seen[req_id][1]
+            vreq.status, vreq.num_computed_tokens = RequestStatus.PREEMPTED, 0
+        return VllmSchedulerOutput(
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+            num_scheduled_tokens={s.req_id: s.num_scheduled_tokens for s in out.scheduled},
+            total_num_scheduled_tokens=sum(s.num_scheduled_tokens for s in out.scheduled),
+            scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, num_common_prefix_blocks=[0],
+            finished_req_ids=set(out.finished_req_ids), free_encoder_mm_hashes=[],
+            preempted_req_ids=set(out.preempted_req_ids))
+
+    # ---- scheduler side ----------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.connector.get_num_new_matched_tokens(self._vllm(request), num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        vreq = self._vllm(request)
+        self.connector.update_state_after_alloc(vreq, self._blocks(request, block_ids), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        self.metadata = self.connector.build_connector_meta(self._scheduler_output(scheduler_output))
+        self.pending = {t.job_id: (t, self._copies(t)) for t in self.reader.transfers(self.metadata)}
+        return self.metadata
+
+    def _copies(self, t: Transfer) -> tuple[Copy, ...]:
+        """What the transfer copies, as (world GPU block, the content that position must hold, 0); a block that is
+        not a full block of the request's table is a violation here, before anything is copied."""
+        req = self.seen[t.req_id][0]
+        copies = []
+        for block in (b - NULL_BLOCKS for b in t.gpu_blocks):
+            position = req.blocks.index(block) if block in req.blocks else None
+            if position is None or position >= len(req.block_hashes):
+                where = "is not in its block table" if position is None else f"is at position {position}, not full"
+                raise Violation("TRACK" if position is None else "CURSOR",
+                                f"{t.kind} job {t.job_id} of {t.req_id} names GPU block {block}, which {where} "
+                                f"(table {req.blocks}, {len(req.block_hashes)} full blocks)")
+            copies.append((block, req.block_hashes[position], 0))
+        return tuple(copies)
+
+    def update_connector_output(self, output: WorkerOutput) -> None:
+        self.connector.update_connector_output(KVConnectorOutput(
+            finished_sending=set(output.finished_sending) or None,
+            finished_recving=set(output.finished_recving) or None,
+            kv_connector_worker_meta=self.reader.worker_meta(list(output.job_results))))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        vreq = self._vllm(request)
+        vreq.status = RequestStatus.FINISHED_ABORTED if request.state is State.ABORTED else RequestStatus.FINISHED_STOPPED
+        delay, _params = self.connector.request_finished(vreq, [b + NULL_BLOCKS for b in block_ids])
+        if delay:
+            self.delayed.add(request.req_id)
+        return delay
+
+    def take_events(self) -> list[Event]:
+        list(self.connector.take_events())  # its keys are vLLM's hashes: drained, not compared
+        return []
+
+    # ---- the played worker side --------------------------------------------------------------------------------
+    def register_kv_caches(self, kv: ListKV, executor: Executor) -> None:
+        self.kv, self.executor = kv, executor
+
+    def handle_preemptions(self, req_ids: frozenset[str]) -> None:
+        flush = self.reader.flushes(self.metadata, self.in_flight)
+        self._submit("store", flush)  # a flushed job of this very step is submitted first, as vLLM's worker does
+        self.executor.flush(flush)
+
+    def start_load_kv(self, metadata: Any) -> None:
+        self._submit("load")
+
+    def wait_for_save(self, metadata: Any) -> None:
+        self._submit("store")
+
+    def _submit(self, kind: str, only: set[int] | None = None) -> None:
+        for job_id, (t, copies) in list(self.pending.items()):
+            if t.kind != kind or (only is not None and job_id not in only):
+                continue
+            del self.pending[job_id]
+            self.in_flight[job_id] = t
+            pairs = [(b - NULL_BLOCKS, slot) for b, slot in zip(t.gpu_blocks, t.tier_slots)]
+            self.executor.submit(Job(job_id, t.req_id, kind, copies, partial(self._copy, kind, pairs)))
+
+    def _copy(self, kind: str, pairs: list[tuple[int, int]]) -> None:
+        for block, slot in pairs:
+            if kind == "store":
+                self.tier[slot] = self.kv.read(block)
+            else:
+                self.kv.write(block, self.tier.get(slot, GARBAGE))
+
+    def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
+        results = self.executor.poll()
+        done = [self.in_flight.pop(job_id) for job_id, _ok in results]
+        self.load_errors |= {b - NULL_BLOCKS for t, (_id, ok) in zip(done, results) if t.kind == "load" and not ok
+                             for b in t.gpu_blocks}
+        busy = {t.req_id for t in self.in_flight.values()}
+        sending = {r for r in self.delayed if r not in busy}
+        self.delayed -= sending
+        return WorkerOutput(frozenset(sending), frozenset(t.req_id for t in done if t.kind == "load"), tuple(results))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+
+def _create(config: Config, name: str, module: str | None, extra: Callable[[int], dict[str, Any]]) -> Any:
+    """A vLLM connector's scheduler side, built as vLLM builds it, over a KV cache shaped like ``config``'s, with
+    ``extra(bytes of one GPU block over all layers)`` as its extra config (to size its tier)."""
+    from .vllm_demo import build_tiny_llama  # vLLM's configs are built from a model config
+
+    model = build_tiny_llama(Path(os.environ.get("KVOFFLOAD_MODEL_DIR", ".cache/tiny-llama")))
+    vllm_config, kv_cache_config = make_configs(model, config.num_gpu_blocks + NULL_BLOCKS, name, module, {},
+                                                block_size=config.block_size)
+    block_bytes = kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes * len(LAYERS)
+    vllm_config.kv_transfer_config.kv_connector_extra_config.update(extra(block_bytes))
+    return KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def vllm_offloading_connector(config: Config) -> BlackBox:
+    """A kit factory: vLLM's own ``OffloadingConnector`` with its real CPU manager, sized from the config
+    (``tier_blocks`` slots, eviction ``policy``), store refusals injected at its manager (contract: None = no room)."""
+    align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+    connector = _create(config, "OffloadingConnector", None, lambda block_bytes: {
+        "cpu_bytes_to_use": -(-block_bytes // align) * align * config.tier_blocks, "eviction_policy": config.policy})
+    manager = connector.scheduler.manager
+    prepare_store, refusing = manager.prepare_store, []
+
+    def prepare_or_refuse(*args: Any, **kwargs: Any) -> Any:
+        return None if refusing and refusing.pop() else prepare_store(*args, **kwargs)
+
+    manager.prepare_store = prepare_or_refuse
+    return BlackBox(config, connector, OffloadingTransfers(), refuse=lambda: refusing.append(True))
+
+
+def kvoffload_connector(config: Config, name: str = "KVOffloadConnector",
+                        module: str = "kvoffload.impl.vllm_connector") -> BlackBox:
+    """A kit factory: our own vLLM connector (or a subclass, by name and module) in black-box mode."""
+    connector = _create(config, name, module, lambda block_bytes: {
+        "tier_bytes": block_bytes * config.tier_blocks, "offload_block_size": config.block_size,
+        "policy": config.policy})
+    return BlackBox(config, connector, KVOffloadTransfers(), refuse=connector.offload.refuse_next_store)

@@ -1,0 +1,88 @@
+"""Black-box mode: vLLM 0.32's own OffloadingConnector (its real CPU manager) and our vLLM connector, driven by the
+kit through real vLLM Request / SchedulerOutput objects, with the worker side played by the kit. The known
+divergences of vLLM's connector replay from their shrunk programs and are found again from scratch."""
+
+import tomllib
+from functools import partial
+from pathlib import Path
+
+import pytest
+import vllm
+
+from kvoffload.impl.vllm_blackbox import OffloadingTransfers, kvoffload_connector, vllm_offloading_connector
+from kvoffload.spec import SPEC_VERSION, Config, Violation
+from kvoffload.spec.kit import Scenario, SkippedRule, run_conformance
+from kvoffload.spec.trace import read_trace, replay, resolve
+
+HERE = Path(__file__).parent
+DIVERGENCES = tomllib.loads((HERE / "known_divergences.toml").read_text())
+
+SCENARIOS = {
+    "immediate-tiny-tier-arc": Scenario(Config(num_gpu_blocks=12, tier_blocks=2, policy="arc")),
+    "delayed-no-prefix-cache": Scenario(Config(num_gpu_blocks=12, tier_blocks=4, prefix_caching=False), delay=2),
+    "delayed-ample-tier": Scenario(Config(num_gpu_blocks=14, tier_blocks=16), delay=3),
+}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_vllm_offloading_connector_conforms(name, record_property):
+    with pytest.warns(SkippedRule, match="does not declare 'observe'"):
+        coverage = run_conformance(vllm_offloading_connector, SCENARIOS[name])
+    print(coverage)
+    record_property("coverage", str(coverage))
+    world = coverage.world
+    assert world["blocks_stored"] and world["tier_hit_tokens"] and world["blocks_loaded"] and world["preemptions"]
+    assert coverage.rules["refuse_next_store"] and coverage.never_held() == []
+    assert coverage.invariants["SRC"] and coverage.invariants["CONTENT"]
+
+
+def test_divergences_are_judged_by_this_spec_and_this_vllm():
+    assert DIVERGENCES["spec_version"] == SPEC_VERSION, "re-check every known divergence against the new spec"
+    assert vllm.__version__.startswith(DIVERGENCES["vllm"])
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES["divergence"], ids=lambda d: d["id"])
+def test_known_divergence_replays(divergence):
+    header, program = read_trace(HERE / divergence["trace"])
+    assert header["adapter"] == divergence["adapter"] and program
+    with pytest.raises(Violation) as found:
+        replay(HERE / divergence["trace"])
+    assert found.value.invariant == divergence["invariant"]
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES["divergence"], ids=lambda d: d["id"])
+def test_known_divergence_is_found_from_scratch(divergence):
+    fields = read_trace(HERE / divergence["trace"])[0]["scenario"]
+    scenario = Scenario(**{**fields, "config": Config(**fields["config"])})
+    with pytest.raises(Violation) as found:
+        run_conformance(resolve(divergence["adapter"]), scenario)
+    assert found.value.invariant == divergence["invariant"]
+
+
+def test_our_vllm_connector_conforms_in_black_box_mode():
+    scenario = Scenario(Config(num_gpu_blocks=12, tier_blocks=4, prefix_caching=False), delay=2, failures=True)
+    with pytest.warns(SkippedRule, match="does not declare 'observe'"):
+        coverage = run_conformance(kvoffload_connector, scenario)
+    assert coverage.world["failed_transfers"] and coverage.world["blocks_loaded"] and not coverage.never_held()
+
+
+def test_black_box_mode_catches_the_seed_bug():
+    seed_bug = partial(kvoffload_connector, name="SeedBugConnector", module="tests.vllm.connectors")
+    with pytest.raises((Violation, IndexError)) as caught:
+        run_conformance(seed_bug, Scenario(Config(num_gpu_blocks=12, tier_blocks=4, prefix_caching=False), delay=2,
+                                           failures=True))
+    assert caught.value.kvoffload_rules_run <= 8
+
+
+class ForgetsFlushes(OffloadingTransfers):
+    def flushes(self, metadata, in_flight):
+        return set()  # the freed blocks are reused while their stores are still unexecuted
+
+
+def test_a_fenced_connector_that_forgets_a_flush_is_caught():
+    def factory(config):
+        box = vllm_offloading_connector(config)
+        box.reader = ForgetsFlushes()
+        return box
+    with pytest.raises(Violation, match="SRC: .* while store job"):
+        run_conformance(factory, Scenario(Config(num_gpu_blocks=12, tier_blocks=8, prefix_caching=False), delay=2))
