@@ -1,11 +1,13 @@
 """The examples of docs/check-your-connector.md, run as written: the FIFO connector passes at the invariants
-level, the broken one fails with a readable report."""
+level, the broken one fails with a readable report, and the conftest + test of the pytest section pass in a
+scratch project through the installed plugin."""
 
 import re
 from pathlib import Path
 
 import pytest
 
+from kvoffload.spec import SPEC_VERSION
 from kvoffload.spec.invariants import Violation
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "check-your-connector.md"
@@ -15,19 +17,34 @@ def examples() -> list[str]:
     return re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
 
 
-def test_the_page_has_its_two_examples():
-    assert len(examples()) == 2
+def without_the_run(example: str) -> str:
+    return example.replace("run_conformance(fifo", "# run_conformance(fifo")
+
+
+def test_the_page_has_its_examples():
+    assert len(examples()) == 4
 
 
 def test_a_connector_with_its_own_eviction_policy_passes():
-    exec(compile(examples()[0], str(PAGE), "exec"), {})
+    scope: dict = {}
+    exec(compile(examples()[0], str(PAGE), "exec"), scope)
 
 
 def test_a_broken_connector_fails_with_a_readable_report():
     scope: dict = {}
-    exec(compile(examples()[0].replace("run_conformance(fifo", "# run_conformance(fifo"), str(PAGE), "exec"), scope)
+    exec(compile(without_the_run(examples()[0]), str(PAGE), "exec"), scope)
     with pytest.raises(Violation) as failure:
         exec(compile(examples()[1], str(PAGE), "exec"), scope)
     report = str(failure.value)
-    assert report.startswith("[kvoffload spec 0.2] FINISH: request r")
+    assert report.startswith(f"[kvoffload spec {SPEC_VERSION}] FINISH: request r")
     assert "delay=False" in report and "store(s) in flight" in report
+    assert f"[kvoffload spec {SPEC_VERSION}] FINISH: request r0" in PAGE.read_text()  # the page shows this version
+
+
+def test_the_pytest_section_runs_through_the_plugin(pytester):
+    _, _, conftest, test = examples()
+    pytester.makepyfile(my_connectors=without_the_run(examples()[0]), test_conformance=test)
+    pytester.makeconftest(conftest)
+    result = pytester.runpytest_subprocess("--kvoffload-profile=pr", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*kvoffload kit coverage*"])
