@@ -220,7 +220,8 @@ class BlackBox:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         vreq = self._vllm(request)
-        vreq.status = RequestStatus.FINISHED_ABORTED if request.state is State.ABORTED else RequestStatus.FINISHED_STOPPED
+        aborted = request.state is State.ABORTED
+        vreq.status = RequestStatus.FINISHED_ABORTED if aborted else RequestStatus.FINISHED_STOPPED
         delay, _params = self.connector.request_finished(vreq, [b + NULL_BLOCKS for b in block_ids])
         if delay:
             self.delayed.add(request.req_id)

@@ -11,6 +11,7 @@ import argparse
 import gc
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -30,7 +31,12 @@ def build_tiny_llama(path: Path) -> Path:
         torch.manual_seed(0)
         config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-        LlamaForCausalLM(config).save_pretrained(path)
+        scratch = path.with_name(f"{path.name}.{os.getpid()}")  # parallel test workers may build it at once
+        LlamaForCausalLM(config).save_pretrained(scratch)
+        try:
+            scratch.rename(path)
+        except OSError:  # another process finished first: its model is the same
+            shutil.rmtree(scratch)
     return path
 
 

@@ -288,7 +288,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             self._compare()
 
     def teardown(self) -> None:
-        self.coverage.world.update({k: n for k, n in self.subject.stats.items()})
+        self.coverage.world.update(self.subject.stats)
         if self.failed:
             return
         with self._guard():
