@@ -26,7 +26,7 @@ from typing import Any, Callable
 import pytest
 
 PROFILES = ("pr", "nightly", "mutation")
-_REPORTS = pytest.StashKey[list]()
+COVERAGE = "kvoffload_coverage"  # a user property of the test's report: it reaches the summary under xdist too
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -40,7 +40,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kvoffload_slow: run the kit at a quarter of the profile's programs, "
                                        "half as long each (slow machines)")
-    config.stash[_REPORTS] = []
     if config.getoption("kvoffload_profile"):
         from .kit import load_profile
         load_profile(config.getoption("kvoffload_profile"))
@@ -79,14 +78,16 @@ def kvoffload_conformance(request: pytest.FixtureRequest, kvoffload_adapter: Cal
                          "stateful_step_count": max(1, base.stateful_step_count // 2), **overrides}
         trace = Path(request.config.getoption("kvoffload_trace_dir")) / f"{request.node.name}.jsonl"
         coverage = run_conformance(kvoffload_adapter, kvoffload_scenario, kvoffload_level, trace=trace, **overrides)
-        request.config.stash[_REPORTS].append((request.node.nodeid, coverage))
+        request.node.user_properties.append((COVERAGE, str(coverage)))
         return coverage
     return run
 
 
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    reports = config.stash.get(_REPORTS, [])
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    reports = [(report.nodeid, value) for outcome in ("passed", "failed")
+               for report in terminalreporter.stats.get(outcome, []) if getattr(report, "when", None) == "call"
+               for name, value in report.user_properties if name == COVERAGE]
     if reports:
         terminalreporter.section("kvoffload kit coverage")
-        for nodeid, coverage in reports:
+        for nodeid, coverage in sorted(reports):
             terminalreporter.write_line(f"{nodeid}\n{coverage}")

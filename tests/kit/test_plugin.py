@@ -93,6 +93,15 @@ def test_the_plugin_runs_the_kit_and_writes_a_trace_that_replays(pytester):
     assert failure.startswith("[kvoffload spec") and failure in replayed.stderr
 
 
+def test_coverage_reaches_the_summary_from_parallel_workers(pytester):
+    pytester.makepyfile(my_connectors=MY_CONNECTORS, test_fifo=TEST_FIFO)
+    pytester.makeconftest(CONFTEST)
+    result = pytester.runpytest_subprocess("--kvoffload-profile=mutation", "-n", "2", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*kvoffload kit coverage*", "test_fifo.py::test_fifo_connector",
+                                 "*: * programs, * rules, * engine steps", "test_fifo.py::test_fifo_connector_on_a*"])
+
+
 def test_without_an_override_the_fixture_says_what_to_do(pytester):
     pytester.makepyfile(test_it="def test_it(kvoffload_conformance):\n    kvoffload_conformance()\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
