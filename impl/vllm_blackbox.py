@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Protocol
+from typing import Any, Callable, Hashable, Iterator, NamedTuple, Protocol
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -40,7 +40,7 @@ from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request as VllmRequest  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvoffload.spec.config import Config, ConfigError  # noqa: E402
+from kvoffload.spec.config import Config  # noqa: E402
 from kvoffload.spec.invariants import Violation  # noqa: E402
 from kvoffload.spec.types import (FENCED_FREES, REFUSE_STORE, TRANSFER_FAILURES, Copy, Event, Job,  # noqa: E402
                                   SchedulerOutput, WorkerOutput)
@@ -56,7 +56,8 @@ class Transfer(NamedTuple):
     req_id: str
     kind: str  # "load" | "store"
     gpu_blocks: tuple[int, ...]  # vLLM ids
-    tier_slots: tuple[int, ...]  # one per GPU block (offload block = GPU block)
+    tier_slots: tuple[Hashable, ...]  # where each GPU block's bytes live in the tier
+    first_position: int | None = None  # the first block's index in the request, if the metadata says
 
 
 class Transfers(Protocol):
@@ -72,16 +73,27 @@ class Transfers(Protocol):
 
 class OffloadingTransfers:
     """vLLM's ``OffloadingConnector``: load/store jobs keyed by job id, a flush list, ``completed_jobs`` back.
+    A job's CPU chunks hold ``blocks_per_chunk`` GPU blocks each; its GPU blocks fill them in order, the first
+    entered at the offset of ``block_indices[0]`` (the first block's index in the request), as vLLM's CPU worker
+    copies them. (The chunks need not be consecutive in the request: those already in the tier are skipped.)
     Its worker asserts that every transfer succeeded, so no failure is ever injected."""
 
     failures, fenced = False, True
+
+    def __init__(self, blocks_per_chunk: int = 1) -> None:
+        self.k = blocks_per_chunk
 
     def transfers(self, metadata: Any) -> Iterator[Transfer]:
         for kind, jobs in (("load", metadata.load_jobs), ("store", metadata.store_jobs)):
             for job_id, job in jobs.items():
                 gpu, tier = (job.dst_spec, job.src_spec) if kind == "load" else (job.src_spec, job.dst_spec)
-                yield Transfer(job_id, job.req_id, kind, tuple(map(int, gpu.block_ids)),
-                               tuple(map(int, tier.block_ids)))
+                chunks, first = list(map(int, tier.block_ids)), int(gpu.block_indices[0])
+                places = range(first % self.k, first % self.k + len(gpu.block_ids))  # sub-slots, chunk by chunk
+                if len(places) and places[-1] // self.k >= len(chunks):
+                    raise Violation("TRACK", f"{kind} job {job_id} of {job.req_id}: {len(places)} GPU blocks need "
+                                             f"more than its {len(chunks)} CPU chunks")
+                slots = tuple((chunks[i // self.k], i % self.k) for i in places)
+                yield Transfer(job_id, job.req_id, kind, tuple(map(int, gpu.block_ids)), slots, first)
 
     def flushes(self, metadata: Any, in_flight: dict[int, Transfer]) -> set[int]:
         return set(metadata.jobs_to_flush or ())
@@ -112,9 +124,6 @@ class BlackBox:
 
     def __init__(self, config: Config, connector: Any, transfers: Transfers,
                  refuse: Callable[[], None] | None = None) -> None:
-        if config.k != 1:
-            raise ConfigError("black-box mode maps one tier slot to one GPU block: offload_block_size must equal "
-                              f"block_size, got {config.offload_block_size} and {config.block_size}")
         self.config, self.connector, self.reader = config, connector, transfers
         self.capabilities = frozenset({name for name, on in ((FENCED_FREES, transfers.fenced), (REFUSE_STORE, refuse),
                                                              (TRANSFER_FAILURES, transfers.failures)) if on})
@@ -127,7 +136,7 @@ class BlackBox:
         self.pending: dict[int, tuple[Transfer, tuple[Copy, ...]]] = {}  # asked for this step, not submitted
         self.delayed: set[str] = set()  # request_finished returned True
         self.in_flight: dict[int, Transfer] = {}  # submitted, not polled
-        self.tier: dict[int, int] = {}  # tier slot -> content
+        self.tier: dict[Hashable, int] = {}  # tier slot -> content
         self.load_errors: set[int] = set()
         self.kv: ListKV | None = None
         self.executor: Executor | None = None
@@ -198,18 +207,25 @@ class BlackBox:
         return self.metadata
 
     def _copies(self, t: Transfer) -> tuple[Copy, ...]:
-        """What the transfer copies, as (world GPU block, the content that position must hold, 0); a block that is
-        not a full block of the request's table is a violation here, before anything is copied."""
-        req = self.seen[t.req_id][0]
+        """What the transfer copies, as (world GPU block, its offload block's key, index inside it). A block that
+        is not where the job says in the request's table, or whose offload block is not full, is a violation here,
+        before anything is copied."""
+        req, k = self.seen[t.req_id][0], self.config.k
+        blocks = [b - NULL_BLOCKS for b in t.gpu_blocks]
+        if blocks and t.first_position is not None and req.blocks[t.first_position:t.first_position + 1] != blocks[:1]:
+            raise Violation("TRACK", f"{t.kind} job {t.job_id} of {t.req_id} starts at GPU block {blocks[0]} for "
+                                     f"position {t.first_position}, but the request's block table is {req.blocks}")
         copies = []
-        for block in (b - NULL_BLOCKS for b in t.gpu_blocks):
-            position = req.blocks.index(block) if block in req.blocks else None
-            if position is None or position >= len(req.block_hashes):
-                where = "is not in its block table" if position is None else f"is at position {position}, not full"
-                raise Violation("TRACK" if position is None else "CURSOR",
-                                f"{t.kind} job {t.job_id} of {t.req_id} names GPU block {block}, which {where} "
-                                f"(table {req.blocks}, {len(req.block_hashes)} full blocks)")
-            copies.append((block, req.block_hashes[position], 0))
+        for block in blocks:
+            if block not in req.blocks:
+                raise Violation("TRACK", f"{t.kind} job {t.job_id} of {t.req_id} names GPU block {block}, which is "
+                                         f"not in the request's block table {req.blocks}")
+            position = req.blocks.index(block)
+            last = position // k * k + k - 1  # the offload block's last GPU block: its key
+            if last >= len(req.block_hashes):
+                raise Violation("CURSOR", f"{t.kind} job {t.job_id} of {t.req_id} covers position {position}, whose "
+                                          f"offload block is not full ({len(req.block_hashes)} full GPU blocks)")
+            copies.append((block, req.block_hashes[last], position % k))
         return tuple(copies)
 
     def update_connector_output(self, output: WorkerOutput) -> None:
@@ -255,7 +271,7 @@ class BlackBox:
             pairs = [(b - NULL_BLOCKS, slot) for b, slot in zip(t.gpu_blocks, t.tier_slots)]
             self.executor.submit(Job(job_id, t.req_id, kind, copies, partial(self._copy, kind, pairs)))
 
-    def _copy(self, kind: str, pairs: list[tuple[int, int]]) -> None:
+    def _copy(self, kind: str, pairs: list[tuple[int, Hashable]]) -> None:
         for block, slot in pairs:
             if kind == "store":
                 self.tier[slot] = self.kv.read(block)
@@ -292,10 +308,12 @@ def _create(config: Config, name: str, module: str | None, extra: Callable[[int]
 
 def vllm_offloading_connector(config: Config) -> BlackBox:
     """A kit factory: vLLM's own ``OffloadingConnector`` with its real CPU manager, sized from the config
-    (``tier_blocks`` slots, eviction ``policy``), store refusals injected at its manager (contract: None = no room)."""
+    (``offload_block_size`` tokens per CPU chunk, ``tier_blocks`` chunks, eviction ``policy``), store refusals
+    injected at its manager (the manager contract: None means no room)."""
     align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
     connector = _create(config, "OffloadingConnector", None, lambda block_bytes: {
-        "cpu_bytes_to_use": -(-block_bytes // align) * align * config.tier_blocks, "eviction_policy": config.policy})
+        "cpu_bytes_to_use": -(-block_bytes * config.k // align) * align * config.tier_blocks,
+        "eviction_policy": config.policy, "block_size": config.offload_block_size})
     manager = connector.scheduler.manager
     prepare_store, refusing = manager.prepare_store, []
 
@@ -303,13 +321,13 @@ def vllm_offloading_connector(config: Config) -> BlackBox:
         return None if refusing and refusing.pop() else prepare_store(*args, **kwargs)
 
     manager.prepare_store = prepare_or_refuse
-    return BlackBox(config, connector, OffloadingTransfers(), refuse=lambda: refusing.append(True))
+    return BlackBox(config, connector, OffloadingTransfers(config.k), refuse=lambda: refusing.append(True))
 
 
 def kvoffload_connector(config: Config, name: str = "KVOffloadConnector",
                         module: str = "kvoffload.impl.vllm_connector") -> BlackBox:
     """A kit factory: our own vLLM connector (or a subclass, by name and module) in black-box mode."""
     connector = _create(config, name, module, lambda block_bytes: {
-        "tier_bytes": block_bytes * config.tier_blocks, "offload_block_size": config.block_size,
+        "tier_bytes": block_bytes * config.k * config.tier_blocks, "offload_block_size": config.offload_block_size,
         "policy": config.policy})
     return BlackBox(config, connector, KVOffloadTransfers(), refuse=connector.offload.refuse_next_store)

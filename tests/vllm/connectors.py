@@ -92,4 +92,4 @@ class _ReportsFailures(OffloadingTransfers):
 def vllm_offloading_with_failures(config):
     """vLLM's OffloadingConnector in black-box mode, with transfer failures injected (known divergence)."""
     box = vllm_offloading_connector(config)
-    return BlackBox(config, box.connector, _ReportsFailures(), refuse=box.refuse_next_store)
+    return BlackBox(config, box.connector, _ReportsFailures(config.k), refuse=box.refuse_next_store)

@@ -21,6 +21,7 @@ SCENARIOS = {
     "immediate-tiny-tier-arc": Scenario(Config(num_gpu_blocks=12, tier_blocks=2, policy="arc")),
     "delayed-no-prefix-cache": Scenario(Config(num_gpu_blocks=12, tier_blocks=4, prefix_caching=False), delay=2),
     "delayed-ample-tier": Scenario(Config(num_gpu_blocks=14, tier_blocks=16), delay=3),
+    "k2-chunks-immediate": Scenario(Config(num_gpu_blocks=16, offload_block_size=4, tier_blocks=4)),
 }
 
 
@@ -59,8 +60,10 @@ def test_known_divergence_is_found_from_scratch(divergence):
     assert found.value.invariant == divergence["invariant"]
 
 
-def test_our_vllm_connector_conforms_in_black_box_mode():
-    scenario = Scenario(Config(num_gpu_blocks=12, tier_blocks=4, prefix_caching=False), delay=2, failures=True)
+@pytest.mark.parametrize("offload_block_size", [2, 4])
+def test_our_vllm_connector_conforms_in_black_box_mode(offload_block_size):
+    scenario = Scenario(Config(num_gpu_blocks=14, offload_block_size=offload_block_size, tier_blocks=4,
+                               prefix_caching=False), delay=2, failures=True)
     with pytest.warns(SkippedRule, match="does not declare 'observe'"):
         coverage = run_conformance(kvoffload_connector, scenario)
     assert coverage.world["failed_transfers"] and coverage.world["blocks_loaded"] and not coverage.never_held()
@@ -86,3 +89,22 @@ def test_a_fenced_connector_that_forgets_a_flush_is_caught():
         return box
     with pytest.raises(Violation, match="SRC: .* while store job"):
         run_conformance(factory, Scenario(Config(num_gpu_blocks=12, tier_blocks=8, prefix_caching=False), delay=2))
+
+
+def test_a_drifted_table_inside_vllms_connector_is_caught(monkeypatch):
+    """The seed bug's family in vLLM's own code: every other single new block id of a request is lost, so its
+    tracked table drifts and a later store names the wrong GPU block. Black-box mode sees it in the job alone."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import RequestOffloadState
+
+    real, appends = RequestOffloadState.update_block_id_groups, {}
+
+    def loses_every_other_block(self, groups):
+        if groups is not None and len(groups[0]) == 1 and self.group_states[0].block_ids:
+            appends[self.req] = appends.get(self.req, 0) + 1
+            if appends[self.req] % 2:
+                return
+        real(self, groups)
+
+    monkeypatch.setattr(RequestOffloadState, "update_block_id_groups", loses_every_other_block)
+    with pytest.raises(Violation, match="TRACK: store job .* starts at GPU block .* for position"):
+        run_conformance(vllm_offloading_connector, Scenario(Config(num_gpu_blocks=16, tier_blocks=8), delay=2))
