@@ -331,3 +331,49 @@ def kvoffload_connector(config: Config, name: str = "KVOffloadConnector",
         "tier_bytes": block_bytes * config.k * config.tier_blocks, "offload_block_size": config.offload_block_size,
         "policy": config.policy})
     return BlackBox(config, connector, KVOffloadTransfers(), refuse=connector.offload.refuse_next_store)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Hunt: run a connector through the kit over a grid of configurations, one line per configuration."""
+    import argparse
+    import itertools
+    import logging
+    import time
+
+    from kvoffload.spec.kit import Scenario, run_conformance
+
+    parser = argparse.ArgumentParser(description="vLLM connectors through the kvoffload kit, in black-box mode")
+    parser.add_argument("--connector", choices=("vllm", "ours"), default="vllm",
+                        help="vLLM's OffloadingConnector, or our KVOffloadConnector")
+    parser.add_argument("--profile", default="nightly", help="Hypothesis profile (pr, nightly, mutation)")
+    parser.add_argument("--examples", type=int, default=150, help="programs per configuration")
+    parser.add_argument("--chunk-blocks", type=int, nargs="+", default=[1, 2, 3], help="GPU blocks per CPU chunk")
+    parser.add_argument("--traces", type=Path, default=Path("kvoffload-traces"))
+    args = parser.parse_args(argv)
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # the hunt's own lines, not vLLM's warnings
+    factory = vllm_offloading_connector if args.connector == "vllm" else kvoffload_connector
+    grid = list(itertools.product(args.chunk_blocks, (0, 1, 3), (1, 3, 8), (True, False), ("lru", "arc")))
+    failed = 0
+    for n, (k, delay, tier, prefix_caching, policy) in enumerate(grid, 1):
+        config = Config(num_gpu_blocks=18, offload_block_size=2 * k, tier_blocks=tier, prefix_caching=prefix_caching,
+                        policy=policy)
+        scenario, start = Scenario(config, delay=delay, failures=args.connector == "ours"), time.perf_counter()
+        trace = args.traces / f"{args.connector}-{n}.jsonl"
+        try:
+            coverage = run_conformance(factory, scenario, profile=args.profile, trace=trace,
+                                       max_examples=args.examples)
+            verdict = f"ok   {coverage.world['steps']} steps, {coverage.world['blocks_loaded']} blocks loaded"
+        except Exception as exc:  # a finding: report it and go on with the grid
+            failed += 1
+            verdict = f"FAIL {str(exc).splitlines()[0]} (program: {trace})"
+        print(f"[{n}/{len(grid)}] {scenario}: {verdict} ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"{len(grid) - failed} of {len(grid)} configurations passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    import sys
+    import warnings
+
+    warnings.simplefilter("ignore", category=UserWarning)  # skipped rules are listed once per run otherwise
+    sys.exit(main())
