@@ -57,15 +57,18 @@ def read_trace(path: str | Path) -> tuple[dict[str, Any], list[tuple[str, dict[s
     return header, [(r["rule"], r["args"]) for r in rules]
 
 
+def scenario_from(header: dict[str, Any]) -> Scenario:
+    fields = header["scenario"]
+    return Scenario(**{**fields, "config": Config(**fields["config"])})
+
+
 def replay(path: str | Path, adapter: Callable[[Config], Any] | None = None,
            kv: Callable[[int], Any] | None = None) -> None:
     """Run the trace's program again. Raises its failure; returns quietly if the program passes now (fixed)."""
     header, program = read_trace(path)
     if header["spec_version"] != SPEC_VERSION:
         print(f"note: trace written by spec {header['spec_version']}, replayed by {SPEC_VERSION}", file=sys.stderr)
-    fields = header["scenario"]
-    scenario = Scenario(**{**fields, "config": Config(**fields["config"])})
-    machine = make_machine(adapter or resolve(header["adapter"]), scenario, header["level"],
+    machine = make_machine(adapter or resolve(header["adapter"]), scenario_from(header), header["level"],
                            kv or resolve(header["kv"]))()
     machine.invariants_hold()
     try:

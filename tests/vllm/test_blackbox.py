@@ -12,7 +12,7 @@ import vllm
 from kvoffload.impl.vllm_blackbox import OffloadingTransfers, kvoffload_connector, vllm_offloading_connector
 from kvoffload.spec import SPEC_VERSION, Config, Violation
 from kvoffload.spec.kit import Scenario, SkippedRule, run_conformance
-from kvoffload.spec.trace import read_trace, replay, resolve
+from kvoffload.spec.trace import read_trace, replay, resolve, scenario_from
 
 HERE = Path(__file__).parent
 DIVERGENCES = tomllib.loads((HERE / "known_divergences.toml").read_text())
@@ -53,8 +53,7 @@ def test_known_divergence_replays(divergence):
 
 @pytest.mark.parametrize("divergence", DIVERGENCES["divergence"], ids=lambda d: d["id"])
 def test_known_divergence_is_found_from_scratch(divergence):
-    fields = read_trace(HERE / divergence["trace"])[0]["scenario"]
-    scenario = Scenario(**{**fields, "config": Config(**fields["config"])})
+    scenario = scenario_from(read_trace(HERE / divergence["trace"])[0])
     with pytest.raises(Violation) as found:
         run_conformance(resolve(divergence["adapter"]), scenario)
     assert found.value.invariant == divergence["invariant"]
