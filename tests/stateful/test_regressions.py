@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 from kvoffload.spec import Config, Executor, ListKV, SpecConnector, World
+from kvoffload.spec.connector import offload_keys
 
 DELAYED_FREES_PROGRAM = textwrap.dedent("""
     from kvoffload.reference import ReferenceConnector, TensorKV
@@ -91,3 +92,35 @@ def test_impl_load_that_starts_inside_an_offload_block():
     state.step(n=6)
     state.invariants_hold()
     state.teardown()
+
+
+class WholePromptHits(SpecConnector):
+    """Reports every stored prompt token as a hit, the last one included, as vLLM 0.32's OffloadingConnector may."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.requests[request.req_id] = request
+        per = self.config.offload_block_size
+        start = num_computed_tokens // per
+        hits = self.tier.lookup(offload_keys(request, self.config)[start:request.num_tokens // per])
+        return ((start + hits) * per - num_computed_tokens, True) if hits else (0, False)
+
+
+def test_a_whole_prompt_hit_recomputes_the_last_token():
+    """Found by running vLLM's OffloadingConnector through the kit: it may report a hit of the whole prompt, and
+    spec 0.1's LOOKUP (leave one token) failed at once. vLLM's scheduler recomputes the last token instead; the
+    world now does the same (spec 0.2), so the load lands, the last block is rewritten with the same bytes, and the
+    request samples its next token."""
+    config = Config(num_gpu_blocks=8, tier_blocks=8, prefix_caching=False)
+    world = World(config, WholePromptHits(config), ListKV(8), Executor(), observable=True)
+    world.add_request([0, 1, 2, 0], max_tokens=1)
+    for _ in range(3):
+        world.step()
+    again = world.add_request([0, 1, 2, 0], max_tokens=2)
+    scheduled = []
+    for _ in range(4):
+        scheduled += [s for s in world.step().scheduled if s.req_id == again.req_id]
+        world.check()
+    assert world.stats["tier_hit_tokens"] == 4 and world.stats["blocks_loaded"] == 2  # the whole prompt came back
+    assert (scheduled[0].num_computed_tokens, scheduled[0].num_scheduled_tokens) == (3, 1)  # the last one recomputed
+    assert again.num_output_tokens == 2 and not world.requests
+    world.drain()

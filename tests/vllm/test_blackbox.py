@@ -11,7 +11,7 @@ import vllm
 
 from kvoffload.impl.vllm_blackbox import OffloadingTransfers, kvoffload_connector, vllm_offloading_connector
 from kvoffload.spec import SPEC_VERSION, Config, Violation
-from kvoffload.spec.kit import Scenario, SkippedRule, run_conformance
+from kvoffload.spec.kit import Scenario, SkippedRule, make_machine, run_conformance
 from kvoffload.spec.trace import read_trace, replay, resolve, scenario_from
 
 HERE = Path(__file__).parent
@@ -107,3 +107,16 @@ def test_a_drifted_table_inside_vllms_connector_is_caught(monkeypatch):
     monkeypatch.setattr(RequestOffloadState, "update_block_id_groups", loses_every_other_block)
     with pytest.raises(Violation, match="TRACK: store job .* starts at GPU block .* for position"):
         run_conformance(vllm_offloading_connector, Scenario(Config(num_gpu_blocks=16, tier_blocks=8), delay=2))
+
+
+def test_a_store_may_skip_chunks_already_in_the_tier():
+    """Found by the kit in black-box mode: with a 4-chunk tier, r2's store names chunk 0 (just evicted) and chunk 3,
+    not chunks 1-2 (still in the tier), so its GPU blocks are not consecutive in the request. The reader assumed
+    they were and reported a false TRACK; fixed: only the first block's position comes from ``block_indices``, the
+    rest fill CPU chunks in order, as vLLM's CPU worker copies them."""
+    state = make_machine(vllm_offloading_connector, Scenario(Config(num_gpu_blocks=16, tier_blocks=4)))()
+    state.add_requests(batch=[([0], 1)])
+    state.add_requests(batch=[([0, 1, 0, 1, 2, 2, 0, 0, 0, 0], 1), ([0, 1, 0, 1, 2, 2, 0, 1], 1)])
+    state.step(n=3)
+    state.invariants_hold()
+    state.teardown()
