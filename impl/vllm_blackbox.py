@@ -217,9 +217,10 @@ class BlackBox:
                                      f"position {t.first_position}, but the request's block table is {req.blocks}")
         copies = []
         for block in blocks:
-            if block not in req.blocks:
-                raise Violation("TRACK", f"{t.kind} job {t.job_id} of {t.req_id} names GPU block {block}, which is "
-                                         f"not in the request's block table {req.blocks}")
+            if block not in req.blocks:  # a load into it would write a block the request does not own
+                raise Violation("TRACK" if t.kind == "store" else "DST",
+                                f"{t.kind} job {t.job_id} of {t.req_id} names GPU block {block}, which is not in "
+                                f"the request's block table {req.blocks}")
             position = req.blocks.index(block)
             last = position // k * k + k - 1  # the offload block's last GPU block: its key
             if last >= len(req.block_hashes):
