@@ -59,14 +59,27 @@ class HostPool:
         self.row_bytes = sum(widths)
 
 
-class Copier:
-    """Copies blocks between the views and the host regions: one copy per run of consecutive blocks, or one
-    gather/scatter per view when the blocks are scattered (CPU only: across devices that would need staging)."""
+STRATEGIES = ("runs", "indexed", "staged")
 
-    def __init__(self, views: list[torch.Tensor], pool: HostPool) -> None:
-        self.views, self.pool = views, pool
-        self.num_blocks = views[0].shape[0]
+
+class Copier:
+    """Copies blocks between the views and the host regions with one of three strategies:
+
+    - ``runs``: one copy per run of consecutive blocks going to consecutive rows;
+    - ``indexed``: one gather or scatter per view (both sides on one device: CPU);
+    - ``staged``: one gather or scatter per view through a staging buffer on the views' device (CUDA).
+
+    ``strategy=None`` chooses per transfer: ``runs`` for large runs, else ``staged`` on CUDA, ``indexed`` on CPU.
+    Forcing one lets every strategy run (and be tested) on CPU tensors too."""
+
+    def __init__(self, views: list[torch.Tensor], pool: HostPool, strategy: str | None = None) -> None:
         self.on_cuda = views[0].is_cuda
+        if strategy is not None and strategy not in STRATEGIES:
+            raise ConfigError(f"unknown copy strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+        if strategy == "indexed" and self.on_cuda:  # index_select/index_copy_ cannot cross devices
+            raise ConfigError("copy strategy 'indexed' needs the KV caches on the CPU; on CUDA use 'staged'")
+        self.views, self.pool, self.strategy = views, pool, strategy
+        self.num_blocks = views[0].shape[0]
         self.large_run = 16 * 1024  # bytes per run from which per-run copies beat indexed ones (measured, CPU)
 
     def check(self, blocks: np.ndarray) -> None:
@@ -80,19 +93,31 @@ class Copier:
         else:
             src_idx, dst_idx, pairs = rows, blocks, list(zip(self.views, self.pool.regions))
         spans = runs(src_idx, dst_idx)
-        run_bytes = self.pool.row_bytes // len(pairs) * len(blocks) // max(len(spans), 1)
-        if self.on_cuda and run_bytes < self.large_run:
-            return self._plan_staged(kind, pairs, src_idx, dst_idx)
-        if run_bytes >= self.large_run or self.on_cuda:  # few large copies: each one is a memcpy (or a DMA)
+        strategy = self.strategy or self.choose(len(blocks), len(spans))
+        if strategy == "runs":
+            return self._plan_runs(pairs, spans)
+        if strategy == "indexed":
+            return self._plan_indexed(pairs, src_idx, dst_idx)
+        return self._plan_staged(kind, pairs, src_idx, dst_idx)
 
-            def copy_runs() -> None:
-                for dst, src in pairs:
-                    for s, d, n in spans:
-                        dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
-            return copy_runs
-        # many small runs: one indexed copy per view, straight into place when one side is contiguous
+    def choose(self, num_blocks: int, num_runs: int) -> str:
+        """The strategy for ``num_blocks`` blocks that coalesce into ``num_runs`` runs: few large runs are each one
+        memcpy (or one DMA); many small ones cost less as one indexed kernel per view."""
+        run_bytes = self.pool.row_bytes // len(self.views) * num_blocks // max(num_runs, 1)
+        if run_bytes >= self.large_run:
+            return "runs"
+        return "staged" if self.on_cuda else "indexed"
+
+    def _plan_runs(self, pairs: list, spans: list[tuple[int, int, int]]) -> Callable[[], None]:
+        def copy_runs() -> None:
+            for dst, src in pairs:
+                for s, d, n in spans:
+                    dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+        return copy_runs
+
+    def _plan_indexed(self, pairs: list, src_idx: np.ndarray, dst_idx: np.ndarray) -> Callable[[], None]:
         src_t, dst_t = torch.from_numpy(src_idx), torch.from_numpy(dst_idx)
-        if _contiguous(dst_idx):
+        if _contiguous(dst_idx):  # gather straight into place: no temporary
             d0 = int(dst_idx[0])
 
             def gather() -> None:
@@ -106,22 +131,19 @@ class Copier:
                 dst.index_copy_(0, dst_t, src[s0:s0 + len(src_idx)] if src_is_run else src.index_select(0, src_t))
         return scatter
 
-
-def _contiguous(idx: np.ndarray) -> bool:
-    return bool(len(idx)) and int(idx[-1]) - int(idx[0]) == len(idx) - 1 and bool((np.diff(idx) == 1).all())
-
-
     def _plan_staged(self, kind: str, pairs: list, src_idx: np.ndarray, dst_idx: np.ndarray) -> Callable[[], None]:
-        """Scattered small blocks on CUDA: gather them into a device staging buffer with one kernel per view, then
-        move the staging buffer with one DMA per run of host rows (usually one) — instead of a DMA per block."""
+        """Gather scattered blocks into a staging buffer on the views' device with one kernel per view, then move
+        it with one copy per run of host rows (usually one): on CUDA, one DMA instead of one per block."""
         n = len(src_idx)
-        gpu_idx = torch.from_numpy(src_idx if kind == "store" else dst_idx).pin_memory()
+        device_idx = torch.from_numpy(src_idx if kind == "store" else dst_idx)
+        if self.on_cuda:  # the index upload is asynchronous only from pinned memory
+            device_idx = device_idx.pin_memory()
         host_idx = dst_idx if kind == "store" else src_idx
         host_spans = runs(np.arange(n), host_idx)  # (staging row, host row, length)
         device = self.views[0].device
 
         def staged() -> None:  # runs on the transfer stream: index upload, gather/scatter and DMA stay ordered
-            idx = gpu_idx.to(device, non_blocking=True)
+            idx = device_idx.to(device, non_blocking=True)
             for dst, src in pairs:
                 if kind == "store":
                     staging = src.index_select(0, idx)
@@ -133,6 +155,10 @@ def _contiguous(idx: np.ndarray) -> bool:
                         staging[s:s + length].copy_(src[h:h + length], non_blocking=True)
                     dst.index_copy_(0, idx, staging)
         return staged
+
+
+def _contiguous(idx: np.ndarray) -> bool:
+    return bool(len(idx)) and int(idx[-1]) - int(idx[0]) == len(idx) - 1 and bool((np.diff(idx) == 1).all())
 
 
 class InlineExecutor:

@@ -12,7 +12,7 @@ import torch
 from kvoffload.impl import OffloadConnector, LayeredKV
 from kvoffload.impl.kv import SHAPES
 from kvoffload.impl.transfer import Copier, CudaStreamExecutor, HostPool
-from kvoffload.spec import Config, Job
+from kvoffload.spec import Config, ConfigError, Job
 from kvoffload.spec.kit import Scenario, run_conformance
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -36,11 +36,11 @@ def gpu_sleep(seconds: float) -> None:
     torch.cuda._sleep(int(seconds * cycles_per_second()))
 
 
-def setup(shape="kv_first", dtype=torch.bfloat16, num_blocks=16, rows=12):
+def setup(shape="kv_first", dtype=torch.bfloat16, num_blocks=16, rows=12, strategy=None):
     kv = LayeredKV(num_blocks, shape=shape, dtype=dtype, device="cuda")
     for block in range(num_blocks):
         kv.write(block, 1000 + block)
-    copier = Copier(kv.views, HostPool(kv.views, rows))
+    copier = Copier(kv.views, HostPool(kv.views, rows), strategy)
     torch.cuda.synchronize()  # the load stream does not wait for the current one: let these writes land first
     return kv, copier, CudaStreamExecutor(kv.views[0].device)
 
@@ -85,6 +85,39 @@ def test_store_then_load_round_trips_on_streams(shape, dtype):
         assert kv.holds(target, 1000 + source)
     for block in set(range(16)) - set(targets):  # nothing else was touched
         assert kv.holds(block, 1000 + block)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("strategy", ["runs", "staged"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_each_strategy_matches_a_plain_copy(shape, strategy, dtype):
+    kv, copier, executor = setup(shape, dtype, strategy=strategy)
+    expected = HostPool(kv.views, 12)
+    for pool in (copier.pool, expected):
+        pool.buffer.fill_(0xA5)  # known bytes in the rows no copy touches
+    sources, rows, targets = [15, 14, 13, 2, 3, 4, 9], [0, 1, 2, 5, 6, 7, 11], [1, 5, 6, 7, 14, 3, 0]
+    for view, region in zip(kv.views, expected.regions):
+        for block, row in zip(sources, rows):
+            region[row] = view[block]
+    executor.submit(job(copier, 1, "store", sources, rows))
+    assert wait_for(executor, [1]) == {1: True}
+    assert torch.equal(copier.pool.buffer, expected.buffer)
+    plain = [view.clone() for view in kv.views]
+    for view, region in zip(plain, expected.regions):
+        for block, row in zip(targets, rows):
+            view[block] = region[row]
+    executor.submit(job(copier, 2, "load", targets, rows))
+    assert wait_for(executor, [2]) == {2: True}
+    assert all(torch.equal(view, want) for view, want in zip(kv.views, plain))
+
+
+def test_small_runs_are_staged_and_indexed_copies_cannot_cross_devices():
+    kv, copier, _executor = setup()
+    assert copier.choose(num_blocks=6, num_runs=4) == "staged"
+    copier.large_run = 0
+    assert copier.choose(num_blocks=6, num_runs=4) == "runs"
+    with pytest.raises(ConfigError, match="'indexed'.*'staged'"):
+        Copier(kv.views, copier.pool, "indexed")
 
 
 def test_store_waits_for_the_compute_stream():

@@ -1,0 +1,109 @@
+"""Every copy strategy, forced on CPU tensors, moves exactly the bytes a plain row-by-row copy moves: in every KV
+layout, for 2- 4- and 1-byte dtypes, in both directions, for runs, scattered ids, reversed ids and single blocks."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload.impl import LayeredKV
+from kvoffload.impl.kv import SHAPES
+from kvoffload.impl.transfer import STRATEGIES, Copier, HostPool
+from kvoffload.spec.config import ConfigError
+
+NUM_BLOCKS, ROWS = 12, 8
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+PATTERNS = {  # (GPU block ids, host rows), read as store: blocks -> rows and load: rows -> blocks
+    "one_run": ([3, 4, 5, 6], [2, 3, 4, 5]),
+    "scattered": ([9, 0, 5, 2], [6, 1, 3, 0]),
+    "scattered_blocks_to_run": ([10, 1, 6, 3], [2, 3, 4, 5]),
+    "run_to_scattered_rows": ([4, 5, 6, 7], [7, 0, 5, 2]),
+    "runs_and_gaps": ([1, 2, 3, 9, 10], [4, 5, 6, 0, 1]),
+    "single_block": ([5], [3]),
+    "reversed": ([7, 6, 5, 4], [0, 1, 2, 3]),
+}
+CLOSURES = {"runs": {"copy_runs"}, "indexed": {"gather", "scatter"}, "staged": {"staged"}}
+
+
+def filled_kv(shape: str, dtype: torch.dtype) -> LayeredKV:
+    kv = LayeredKV(NUM_BLOCKS, shape=shape, dtype=dtype)
+    for block in range(NUM_BLOCKS):
+        kv.write(block, 1000 + block)
+    return kv
+
+
+def filled_pool(views: list[torch.Tensor]) -> HostPool:
+    """A host pool whose every byte is known (and differs from any block's content) instead of uninitialised."""
+    pool = HostPool(views, ROWS)
+    pool.buffer.copy_(torch.arange(pool.buffer.numel()) * 7 % 251)
+    return pool
+
+
+def plain_store(views, regions, blocks, rows) -> None:
+    for view, region in zip(views, regions):
+        for block, row in zip(blocks, rows):
+            region[row] = view[block]
+
+
+def plain_load(views, regions, blocks, rows) -> None:
+    for view, region in zip(views, regions):
+        for block, row in zip(blocks, rows):
+            view[block] = region[row]
+
+
+def cache_bytes(kv: LayeredKV) -> list[torch.Tensor]:
+    return [cache.view(torch.uint8).clone() for cache in kv.caches.values()]
+
+
+def planned(copier: Copier, kind: str, blocks: list[int], rows: list[int]):
+    run = copier.plan(kind, np.asarray(blocks, dtype=np.int64), np.asarray(rows, dtype=np.int64))
+    assert run.__name__ in CLOSURES[copier.strategy]  # the forced strategy is the one that runs
+    return run
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_store_matches_a_plain_copy(shape, dtype, pattern, strategy):
+    blocks, rows = PATTERNS[pattern]
+    kv = filled_kv(shape, DTYPES[dtype])
+    pool, expected = filled_pool(kv.views), filled_pool(kv.views)
+    plain_store(kv.views, expected.regions, blocks, rows)
+    assert not torch.equal(expected.buffer, pool.buffer)  # the check below can fail
+    before = cache_bytes(kv)
+    planned(Copier(kv.views, pool, strategy), "store", blocks, rows)()
+    assert torch.equal(pool.buffer, expected.buffer)
+    assert all(torch.equal(a, b) for a, b in zip(cache_bytes(kv), before))  # a store never writes the caches
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_load_matches_a_plain_copy(shape, dtype, pattern, strategy):
+    blocks, rows = PATTERNS[pattern]
+    kv, expected = filled_kv(shape, DTYPES[dtype]), filled_kv(shape, DTYPES[dtype])
+    pool = filled_pool(kv.views)
+    plain_load(expected.views, pool.regions, blocks, rows)
+    untouched, host = cache_bytes(kv), pool.buffer.clone()
+    assert not all(torch.equal(a, b) for a, b in zip(cache_bytes(expected), untouched))  # the check below can fail
+    planned(Copier(kv.views, pool, strategy), "load", blocks, rows)()
+    assert all(torch.equal(a, b) for a, b in zip(cache_bytes(kv), cache_bytes(expected)))
+    assert torch.equal(pool.buffer, host)  # a load never writes the host pool
+
+
+def test_automatic_choice_on_cpu_is_per_run_copies_for_large_runs_else_indexed():
+    kv = filled_kv("kv_first", torch.bfloat16)
+    copier = Copier(kv.views, filled_pool(kv.views))
+    fragment = copier.pool.row_bytes // len(kv.views)
+    copier.large_run = 4 * fragment
+    assert copier.choose(num_blocks=8, num_runs=2) == "runs"
+    assert copier.choose(num_blocks=8, num_runs=3) == "indexed"
+    copier.large_run = 16 * 1024
+    assert copier.plan("store", np.array([0, 5]), np.array([0, 1])).__name__ == "gather"
+
+
+def test_unknown_strategy_is_a_config_error_naming_the_known_ones():
+    kv = filled_kv("mla", torch.bfloat16)
+    with pytest.raises(ConfigError, match="'dma'.*runs, indexed, staged"):
+        Copier(kv.views, filled_pool(kv.views), strategy="dma")
