@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from kvoffload.spec.config import Config
-from kvoffload.spec.types import OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, Observation
+from kvoffload.spec.types import OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Observation
 
 from .scheduler import OffloadScheduler
 from .worker import OffloadWorker
 
 
 class OffloadConnector(OffloadScheduler, OffloadWorker):
-    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES})
+    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET})
 
     def __init__(self, config: Config) -> None:
         OffloadScheduler.__init__(self, config)

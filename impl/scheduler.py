@@ -2,7 +2,8 @@
 
 Per request it keeps the block table, the store cursor and a count of its unfinished transfers; keys are read
 straight from the request's block hashes (every k-th), never re-sliced. A request with no offload block completed
-this step costs a dict lookup and two integer comparisons.
+this step costs a dict lookup and a few integer comparisons. The cursor never passes the hashes: under async
+scheduling and speculative decoding the scheduled tokens run ahead of the tokens the engine has seen.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class TransferSpec:
     keys: list[int]  # distinct, in order
     copies: list[Copy]  # (GPU block, key, index of that GPU block inside its offload block)
     rows: list[int]  # host row of each copy
+    reports: int = 0  # workers that reported it
+    ok: bool = True  # every report so far was a success
 
     @property
     def blocks(self) -> list[int]:
@@ -48,7 +51,8 @@ class OffloadScheduler:
         self.k, self.block_size, self.offload_size = config.k, config.block_size, config.offload_block_size
         self.tier = OffloadTier(config.tier_blocks, config.policy)
         self.requests: dict[str, RequestState] = {}
-        self.unfinished: dict[int, TransferSpec] = {}
+        self.num_workers = config.num_workers
+        self.unfinished: dict[int, TransferSpec] = {}  # built, not yet reported by every worker
         self._loads: list[TransferSpec] = []
         self._delayed: set[str] = set()
         self._job_ids = itertools.count()
@@ -75,12 +79,12 @@ class OffloadScheduler:
             j += 1
         if j == first:
             return 0, False
-        self.counters["hit_tokens"] += j * size - num_computed_tokens
         return j * size - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         state = self._state(request.req_id)
         state.blocks, state.cursor, state.allocated = list(block_ids), 0, True
+        self.counters["hit_tokens"] += num_external_tokens  # counted once the engine commits to the load
         if num_external_tokens:
             first = request.num_computed_tokens // self.block_size
             end = (request.num_computed_tokens + num_external_tokens) // self.block_size
@@ -103,8 +107,9 @@ class OffloadScheduler:
         plan = TransferPlan(self._loads, delayed=frozenset(self._delayed))
         self._loads, self._delayed = [], set()
         for req_id in scheduler_output.preempted_req_ids:
-            state = self._state(req_id)
-            state.blocks, state.cursor = [], 0
+            state = self.requests.get(req_id)
+            if state is not None:  # else it finished since it was preempted
+                state.blocks, state.cursor = [], 0
         requests, size = self.requests, self.offload_size
         for sched in scheduler_output.scheduled:  # the hot loop: most requests only decode a token
             state = requests.get(sched.req_id) or self._state(sched.req_id)
@@ -114,6 +119,8 @@ class OffloadScheduler:
             else:
                 state.blocks, state.cursor = list(sched.block_ids), 0
             full = (sched.num_computed_tokens + sched.num_scheduled_tokens) // size
+            if full > state.cursor:
+                full = min(full, len(state.request.block_hashes) // self.k)  # keys exist for seen tokens only
             if full > state.cursor:
                 store = self._store(state, full)
                 if store is not None:
@@ -138,9 +145,15 @@ class OffloadScheduler:
 
     def update_connector_output(self, output: WorkerOutput) -> None:
         for job_id, success in output.job_results:
-            spec = self.unfinished.pop(job_id, None)
+            spec = self.unfinished.get(job_id)
             if spec is None:
                 raise UnknownRequestError(f"completion for unknown job {job_id}")
+            spec.reports += 1
+            spec.ok &= success
+            if spec.reports < self.num_workers:
+                continue  # every worker copies its own shard: done once all of them are
+            del self.unfinished[job_id]
+            success = spec.ok
             state = self.requests.get(spec.req_id)
             if state is not None:
                 state.jobs -= 1
@@ -149,7 +162,7 @@ class OffloadScheduler:
                 self.tier.complete_store(spec.keys, success)
                 self.counters["stored_blocks" if success else "failed_stores"] += len(spec.copies)
             else:
-                self.tier.complete_load(spec.keys)
+                self.tier.complete_load(spec.keys, success)
                 self.counters["loaded_blocks" if success else "failed_loads"] += len(spec.copies)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
@@ -158,6 +171,11 @@ class OffloadScheduler:
         if state.stores:  # stores still read its blocks (a load in flight: the engine holds them itself)
             self._delayed.add(request.req_id)
         return state.stores > 0
+
+    def reset_cache(self) -> bool:
+        """After a weight update: nothing stored so far may be served again."""
+        self.tier.reset()
+        return True
 
     def take_events(self) -> list[Event]:
         events, self.tier.events = self.tier.events, []

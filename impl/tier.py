@@ -17,6 +17,7 @@ class OffloadTier:
         self.policy = POLICIES[policy](capacity)
         self.slot_of: dict[Key, int] = {}
         self.ready = bytearray(capacity)  # by slot
+        self.stale = bytearray(capacity)  # by slot: a load failed or the tier was reset; dropped once idle
         self.refs = [0] * capacity  # by slot: in-flight loads
         self.free = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest slot
         self.events: list[Event] = []
@@ -25,7 +26,7 @@ class OffloadTier:
 
     def is_ready(self, key: Key) -> bool:
         slot = self.slot_of.get(key)
-        return slot is not None and bool(self.ready[slot])
+        return slot is not None and bool(self.ready[slot]) and not self.stale[slot]
 
     def _evictable(self, key: Key) -> bool:
         slot = self.slot_of[key]
@@ -40,9 +41,13 @@ class OffloadTier:
             slots.append(slot)
         return slots
 
-    def complete_load(self, keys: list[Key]) -> None:
+    def complete_load(self, keys: list[Key], success: bool = True) -> None:
         for key in keys:
-            self.refs[self.slot_of[key]] -= 1
+            slot = self.slot_of[key]
+            self.refs[slot] -= 1
+            self.stale[slot] |= not success  # a persistent fault would fail it again: never offer it again
+            if self.stale[slot] and not self.refs[slot]:
+                self._remove([key])
 
     def prepare_store(self, keys: list[Key]) -> dict[Key, int] | None:
         """Host slots for the keys not present (present ones count as used); None and no change if no room."""
@@ -67,19 +72,36 @@ class OffloadTier:
                 self.policy.touch(key)
             else:
                 slot = self.slot_of[key] = self.free.pop()
-                self.ready[slot] = 0
+                self.ready[slot] = self.stale[slot] = 0
                 self.policy.insert(key)
         return {key: self.slot_of[key] for key in new}
 
     def complete_store(self, keys: list[Key], success: bool) -> None:
+        stored = []
         for key in keys:
-            if success:
-                self.ready[self.slot_of[key]] = 1
+            slot = self.slot_of[key]
+            if success and not self.stale[slot]:  # stale: the tier was reset while it was being stored
+                self.ready[slot] = 1
+                stored.append(key)
             else:
                 self.free.append(self.slot_of.pop(key))
                 self.policy.remove(key)
-        if success:
-            self.events.append(Event("stored", tuple(keys)))
+        if stored:
+            self.events.append(Event("stored", tuple(stored)))
+
+    def reset(self) -> None:
+        """Forget every entry: idle ones now, the others once their transfers end (never served again)."""
+        for slot in self.slot_of.values():
+            self.stale[slot] = 1
+        idle = [key for key in self.policy.keys() if self.ready[self.slot_of[key]] and not self.refs[self.slot_of[key]]]
+        self._remove(idle)
+
+    def _remove(self, keys: list[Key]) -> None:
+        for key in keys:
+            self.free.append(self.slot_of.pop(key))
+            self.policy.remove(key)
+        if keys:
+            self.events.append(Event("removed", tuple(keys)))
 
     def view(self) -> tuple[tuple[Key, bool, int], ...]:
         return tuple((k, bool(self.ready[self.slot_of[k]]), self.refs[self.slot_of[k]]) for k in self.policy.keys())

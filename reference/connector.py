@@ -8,13 +8,13 @@ engine gives it. Read it next to ``kvoffload.spec.connector``: every decision th
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+from collections import Counter, defaultdict
 
 import torch
 from attrs import define
 
 from kvoffload.spec.config import BlockIdError, Config, ConfigError, UnknownRequestError
-from kvoffload.spec.types import (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, Copy, Event, Job, Observation,
+from kvoffload.spec.types import (OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Copy, Event, Job, Observation,
                                   SchedulerOutput, TransferPlan, WorkerOutput)
 from kvoffload.spec.world import Executor, Request
 
@@ -56,7 +56,7 @@ class TensorKV:
 
 
 class ReferenceConnector:
-    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES})
+    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET})
     tier_class = LRUTier
 
     def __init__(self, config: Config) -> None:
@@ -68,7 +68,8 @@ class ReferenceConnector:
         self._requests: dict[str, Request] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._next_stored: dict[str, int] = {}  # the store cursor, in offload blocks
-        self._unfinished: dict[int, Transfer] = {}  # built, result not yet received
+        self._unfinished: dict[int, Transfer] = {}  # built, not yet reported by every worker
+        self._results: defaultdict[int, list[bool]] = defaultdict(list)  # job id -> each worker's success so far
         self._loads_to_send: list[Transfer] = []
         self._delayed: set[str] = set()  # request_finished delayed their free since the last plan
         self._job_ids = itertools.count()
@@ -133,8 +134,9 @@ class ReferenceConnector:
         plan = TransferPlan(loads=self._loads_to_send, delayed=frozenset(self._delayed))
         self._loads_to_send, self._delayed = [], set()
         for req_id in scheduler_output.preempted_req_ids:
-            self._block_ids[req_id] = []
-            self._rewind(req_id)
+            if req_id in self._block_ids:  # else it finished since it was preempted
+                self._block_ids[req_id] = []
+                self._rewind(req_id)
         self._collect_stores(scheduler_output, plan)
         return plan
 
@@ -161,10 +163,12 @@ class ReferenceConnector:
 
     def _storable_keys(self, sched) -> tuple[list[int], int]:
         """Keys of the offload blocks full after this step that the cursor has not passed; moves the cursor."""
-        full = (sched.num_computed_tokens + sched.num_scheduled_tokens) // self.config.offload_block_size
+        keys = self._keys(self._requests[sched.req_id])  # only blocks whose tokens the engine has seen have one
+        full = min((sched.num_computed_tokens + sched.num_scheduled_tokens) // self.config.offload_block_size,
+                   len(keys))
         first = self._next_stored[sched.req_id]
         self._next_stored[sched.req_id] = max(first, full)
-        return self._keys(self._requests[sched.req_id])[first:full], first
+        return keys[first:full], first
 
     def _store_transfer(self, req_id: str, first: int, keys: list[int], slots: dict[int, int]) -> Transfer:
         k, table = self.config.k, self._block_ids[req_id]
@@ -178,13 +182,16 @@ class ReferenceConnector:
 
     def update_connector_output(self, output: WorkerOutput) -> None:
         for job_id, success in output.job_results:
-            transfer = self._unfinished.pop(job_id, None)
-            if transfer is None:
+            if job_id not in self._unfinished:
                 raise UnknownRequestError(f"completion for unknown job {job_id}")
+            self._results[job_id].append(success)
+            if len(self._results[job_id]) < self.config.num_workers:
+                continue  # every worker copies its own shard of the blocks
+            transfer, success = self._unfinished.pop(job_id), all(self._results.pop(job_id))
             if transfer.kind == "store":
                 self.tier.complete_store(transfer.keys, success)
             else:
-                self.tier.complete_load(transfer.keys)
+                self.tier.complete_load(transfer.keys, success)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         req_id = self._request(request.req_id).req_id
@@ -195,6 +202,10 @@ class ReferenceConnector:
             self._delayed.add(req_id)  # stores still read its blocks
             return True
         return False
+
+    def reset_cache(self) -> bool:
+        self.tier.reset()
+        return True
 
     def take_events(self) -> list[Event]:
         events, self.tier.events = self.tier.events, []

@@ -14,6 +14,7 @@ class Slot:
     index: int  # which k-row slice of the host buffer holds this entry
     ready: bool = False
     refs: int = 0
+    stale: bool = False  # a load of it failed, or the tier was reset: never served, dropped when idle
 
 
 class LRUTier:
@@ -28,7 +29,7 @@ class LRUTier:
     def lookup(self, keys: list[Key]) -> int:
         for n, key in enumerate(keys):
             slot = self.slots.get(key)
-            if slot is None or not slot.ready:
+            if slot is None or not slot.ready or slot.stale:
                 return n
         return len(keys)
 
@@ -38,9 +39,13 @@ class LRUTier:
             self.slots.move_to_end(key)
         return [self.slots[key].index for key in keys]
 
-    def complete_load(self, keys: list[Key]) -> None:
+    def complete_load(self, keys: list[Key], success: bool = True) -> None:
         for key in keys:
-            self.slots[key].refs -= 1
+            slot = self.slots[key]
+            slot.refs -= 1
+            slot.stale |= not success  # a fault that failed this load may fail every one: do not offer it again
+            if slot.stale and slot.refs == 0:
+                self.evict([key])
 
     def evictable(self, protected: set[Key]) -> list[Key]:
         return [key for key, slot in self.slots.items() if slot.ready and slot.refs == 0 and key not in protected]
@@ -69,10 +74,17 @@ class LRUTier:
             self.events.append(Event("removed", tuple(keys)))
 
     def complete_store(self, keys: list[Key], success: bool) -> None:
+        stored = [key for key in keys if success and not self.slots[key].stale]  # stale: reset while storing
         for key in keys:
-            if success:
+            if key in stored:
                 self.slots[key].ready = True
             else:
                 self.free.append(self.slots.pop(key).index)
-        if success:
-            self.events.append(Event("stored", tuple(keys)))
+        if stored:
+            self.events.append(Event("stored", tuple(stored)))
+
+    def reset(self) -> None:
+        """Forget everything: idle entries now, the others when their transfers end."""
+        for slot in self.slots.values():
+            slot.stale = True
+        self.evict([key for key, slot in self.slots.items() if slot.ready and slot.refs == 0])

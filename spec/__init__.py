@@ -8,13 +8,14 @@ always hold). ``kit`` (needs hypothesis) drives any connector through all of it;
 from .config import BlockIdError, Config, ConfigError, UnknownRequestError
 from .connector import SpecConnector
 from .invariants import SPEC_VERSION, Violation
-from .types import (CAPABILITIES, CONNECTOR_METHODS, FENCED_FREES, OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, Adapter,
-                    Connector, Event, GpuKV, Job, Observation, ScheduledRequest, SchedulerOutput, TransferPlan,
-                    WorkerOutput)
+from .types import (CAPABILITIES, CONNECTOR_METHODS, FENCED_FREES, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES,
+                    Adapter, Connector, Event, GpuKV, Job, Observation, ScheduledRequest, SchedulerOutput,
+                    TransferPlan, WorkerOutput)
 from .world import Executor, ListKV, Request, World
 
 __all__ = [
-    "CAPABILITIES", "CONNECTOR_METHODS", "FENCED_FREES", "OBSERVE", "REFUSE_STORE", "TRANSFER_FAILURES", "Adapter",
+    "CAPABILITIES", "CONNECTOR_METHODS", "FENCED_FREES", "OBSERVE", "REFUSE_STORE", "RESET", "TRANSFER_FAILURES",
+    "Adapter",
     "SPEC_VERSION", "BlockIdError", "Config", "ConfigError", "Connector", "Event", "Executor", "GpuKV", "Job",
     "ListKV", "Observation", "Request", "ScheduledRequest", "SchedulerOutput", "SpecConnector",
     "TransferPlan", "UnknownRequestError", "Violation", "WorkerOutput", "World",

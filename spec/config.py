@@ -36,10 +36,17 @@ class Config:
     token_budget: int = 8  # tokens the scheduler may compute per step
     policy: str = "lru"
     prefix_caching: bool = True  # the engine's own GPU prefix cache; off, every shared prefix comes from the tier
+    num_workers: int = 1  # workers that each hold a shard of every block and report every transfer (vLLM: TP x PP)
+    # How the engine runs (vLLM on GPUs): the connector must be correct in every mode, so the world models them.
+    async_scheduling: bool = False  # step N+1 is scheduled before step N's output (tokens, transfers) is applied
+    num_spec_tokens: int = 0  # draft tokens scheduled per decode step; rejected ones roll computed tokens back
 
     def __attrs_post_init__(self) -> None:
-        for name in ("num_gpu_blocks", "block_size", "offload_block_size", "tier_blocks", "token_budget"):
+        for name in ("num_gpu_blocks", "block_size", "offload_block_size", "tier_blocks", "token_budget",
+                     "num_workers"):
             _require_positive(name, getattr(self, name))
+        if not isinstance(self.num_spec_tokens, int) or self.num_spec_tokens < 0:
+            raise ConfigError(f"num_spec_tokens must be a non-negative integer, got {self.num_spec_tokens!r}")
         if self.offload_block_size % self.block_size:
             raise ConfigError(
                 f"offload_block_size ({self.offload_block_size} tokens) must be a multiple of "

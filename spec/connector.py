@@ -5,12 +5,16 @@ Scheduler side
     token to compute; no hit for a request that still has transfers in flight.
   * after alloc: remember the block table; a hit becomes one load job (pins its entries).
   * each batch: update every request's block table first (new / resumed: replace; running: append the step's
-    new ids), then offer the offload blocks that are full after this step, from the request's store cursor on.
-    A refused store skips *that request only*; the cursor still moves past what was offered.
+    new ids), then offer the offload blocks that are full after this step *and hashed* (under async scheduling and
+    speculative decoding the scheduled tokens run ahead of the tokens the engine has seen), from the request's store
+    cursor on. A refused store skips *that request only*; the cursor still moves past what was offered.
   * preemption and resumption rewind the cursor to 0 (prepare_store skips what is really stored).
   * request_finished: delay the free iff the request has a store in flight (a load in flight keeps the blocks
     anyway: the engine waits for finished_recving); forget the request either way. The next step's metadata names
     the delayed requests, so the worker knows which ones to report when drained.
+  * a job is complete once every worker reported it (tensor parallelism: each holds a shard of every block); it
+    succeeded only if every worker's part did. A failed load makes its entries stale (never offered again).
+  * reset_cache (a weight update): every entry goes stale; stores in flight never become loadable.
 
 Worker side
   * loads are submitted in start_load_kv, stores in wait_for_save (after the forward pass wrote the blocks);
@@ -21,13 +25,14 @@ Worker side
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import ClassVar
 
 from attrs import define, field
 
 from .config import Config, UnknownRequestError
 from .tier import Tier
-from .types import (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, Copy, Event, Job, Key, Observation, SchedulerOutput,
+from .types import (OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Copy, Event, Job, Key, Observation, SchedulerOutput,
                     TransferPlan, WorkerOutput)
 from .world import Executor, ListKV, Request
 
@@ -51,13 +56,15 @@ def offload_keys(req: Request, config: Config) -> list[Key]:
 
 @define
 class SpecConnector:
-    capabilities: ClassVar[frozenset[str]] = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES})
+    capabilities: ClassVar[frozenset[str]] = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET})
     config: Config
     tier: Tier = field()
     requests: dict[str, Request] = field(factory=dict)
     tracked: dict[str, list[int]] = field(factory=dict)
     cursors: dict[str, int] = field(factory=dict)
-    jobs: dict[int, JobSpec] = field(factory=dict)  # scheduler's view: built, result not yet received
+    jobs: dict[int, JobSpec] = field(factory=dict)  # scheduler's view: built, not yet reported by every worker
+    reports: Counter[int] = field(factory=Counter)  # job id -> workers that reported it
+    failed: set[int] = field(factory=set)  # jobs some worker reported as failed
     pending_loads: list[JobSpec] = field(factory=list)
     delayed: set[str] = field(factory=set)
     next_job_id: int = 0
@@ -97,7 +104,7 @@ class SpecConnector:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
         meta = TransferPlan(self.pending_loads, [], frozenset(self.delayed))
         self.pending_loads, self.delayed = [], set()
-        for req_id in scheduler_output.preempted_req_ids:
+        for req_id in scheduler_output.preempted_req_ids & self.tracked.keys():  # it may have finished since
             self.tracked[req_id], self.cursors[req_id] = [], 0
         for s in scheduler_output.scheduled:
             req = self._known(s.req_id)
@@ -111,8 +118,9 @@ class SpecConnector:
         return meta
 
     def _store(self, req: Request, full: int) -> JobSpec | None:
-        """Offer offload blocks [cursor, full) to the tier; a job for those it accepts."""
+        """Offer offload blocks [cursor, full) to the tier, as far as their keys exist; a job for those it accepts."""
         keys = offload_keys(req, self.config)
+        full = min(full, len(keys))
         start, self.cursors[req.req_id] = self.cursors[req.req_id], max(full, self.cursors[req.req_id])
         accepted = self.tier.prepare_store(keys[start:full])
         if not accepted:  # None: refused for lack of room, skip this request only; []: all present already
@@ -131,11 +139,18 @@ class SpecConnector:
         for job_id, ok in output.job_results:
             if job_id not in self.jobs:
                 raise UnknownRequestError(f"completion for unknown job {job_id}")
-            job = self.jobs.pop(job_id)
+            self.reports[job_id] += 1
+            if not ok:
+                self.failed.add(job_id)
+            if self.reports[job_id] < self.config.num_workers:
+                continue
+            job, ok = self.jobs.pop(job_id), job_id not in self.failed
+            del self.reports[job_id]
+            self.failed.discard(job_id)
             if job.kind == "store":
                 self.tier.complete_store(job.keys, ok)
             else:
-                self.tier.complete_load(job.keys)
+                self.tier.complete_load(job.keys, ok)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         self._known(request.req_id)
@@ -145,6 +160,10 @@ class SpecConnector:
         if delay:
             self.delayed.add(request.req_id)
         return delay
+
+    def reset_cache(self) -> bool:
+        self.tier.reset()
+        return True
 
     def take_events(self) -> list[Event]:
         events, self.tier.events = self.tier.events, []

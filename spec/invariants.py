@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Iterable
 from .types import Observation, WorkerOutput
 
 if TYPE_CHECKING:
-    from .world import Job, Request, World
+    from .types import GpuKV, Job
+    from .world import Executor, Request, World
 
-SPEC_VERSION = "0.2"
+SPEC_VERSION = "0.3"
 
 
 class Violation(AssertionError):
@@ -50,6 +51,8 @@ def track(world: World, obs: Observation) -> None:
                      f"step {world.step_no}, request {req.req_id}: scheduler table {req.blocks}, connector {list(got)}")
     for req_id, table in obs.tracked.items():
         req = world.requests.get(req_id) or world.delayed.get(req_id)
+        if req is not None and req.state.value == "waiting" and not req.blocks:
+            continue  # vLLM freed its blocks after a failed load without telling; the next alloc replaces the table
         if table:
             _require(req is not None and tuple(table) == tuple(req.blocks), "TRACK",
                      f"step {world.step_no}: connector tracks {list(table)} for {req_id}, which holds "
@@ -62,7 +65,7 @@ def src(world: World) -> None:
     Prevents stores that copy a block after it was freed and reused (preemption without a flush, a finish that
     freed blocks under a running store): the tier would keep another prefix's bytes under this key.
     """
-    for job in world.executor.unexecuted("store"):
+    for job in (j for j in world.in_flight() if j.kind == "store" and not j.executed):
         owner = world.requests.get(job.req_id) or world.delayed.get(job.req_id)
         for block, _key, _sub in job.copies:
             _require(owner is not None and block in owner.blocks and world.pool.refs[block] > 0, "SRC",
@@ -70,19 +73,21 @@ def src(world: World) -> None:
                      f"which the request no longer holds")
 
 
-def store_bytes(world: World, job: Job) -> None:
-    """SRC — as a store executes, every GPU block it reads holds exactly the bytes of its key's prefix.
+def store_bytes(world: World, job: Job, kv: GpuKV) -> None:
+    """SRC — as a store executes, every GPU block it reads holds exactly the final bytes of its key's prefix.
 
     The data-plane half of SRC, checked whatever the protocol: a store that names the wrong GPU block (the seed
-    bug's drift), or reads a block already rewritten for another request, would put foreign bytes under the key.
+    bug's drift), reads a block already rewritten for another request, a block whose last tokens are not computed
+    yet, or a rejected draft's KV, would put foreign bytes under the key. Only keys the engine has hashed exist.
     """
+    from .world import kv_content
     req, k = world.history[job.req_id], world.config.k
     for block, key, sub in job.copies:
         last = req.block_hashes.index(key) if key in req.block_hashes else None
         _require(last is not None, "SRC", f"step {world.step_no}: store job {job.job_id} of {job.req_id} stores "
                                           f"key {key:#x}, which is not a block of that request's prefix")
         position = last - (k - 1) + sub
-        _require(world.kv.holds(block, req.block_hashes[position]), "SRC",
+        _require(kv.holds(block, kv_content(req.block_hashes[position], job.epoch)), "SRC",
                  f"step {world.step_no}: store job {job.job_id} of {job.req_id} reads GPU block {block} for "
                  f"position {position}, but the block holds other bytes")
 
@@ -90,7 +95,7 @@ def store_bytes(world: World, job: Job) -> None:
 def not_in_flight(world: World, block: int, action: str, kinds: tuple[str, ...] = ("store", "load")) -> None:
     """SRC + DST at the moment a block is freed or written: no store still reads it, no load still writes it.
     (DST alone when it enters the prefix cache: other requests would read it before the load landed.)"""
-    for job in world.executor.touching(block):
+    for job in world.touching(block):
         if job.kind not in kinds:
             continue
         _require(False, "SRC" if job.kind == "store" else "DST",
@@ -99,17 +104,22 @@ def not_in_flight(world: World, block: int, action: str, kinds: tuple[str, ...] 
 
 
 def content(world: World) -> None:
-    """CONTENT — every computed block a live request holds contains exactly its prefix's bytes.
+    """CONTENT — every computed block a live request holds contains exactly its prefix's bytes, on every worker,
+    as computed with the current weights.
 
     This is the end-to-end data check: a load of the wrong tier entry, a store of the wrong GPU block, a stale
-    read of a reused block or a store of a not-yet-computed slot all surface here as wrong bytes.
+    read of a reused block, a store of a not-yet-computed slot or of a rejected draft, and a tier entry that
+    outlived a weight update all surface here as wrong bytes.
     """
+    from .world import kv_content
+
     for req in world.requests.values():
-        for i in range(req.num_computed_tokens // world.config.block_size):
+        for i in range(req.num_final_tokens // world.config.block_size):
             block = req.blocks[i]
-            _require(world.kv.holds(block, req.block_hashes[i]), "CONTENT",
-                     f"step {world.step_no}, request {req.req_id}: block {block} (position {i}) "
-                     f"does not hold its prefix's KV")
+            for worker, kv in enumerate(world.kvs):
+                _require(kv.holds(block, kv_content(req.content_hashes[i], world.epoch)), "CONTENT",
+                         f"step {world.step_no}, request {req.req_id}: block {block} (position {i}) does not hold "
+                         f"its prefix's KV" + (f" on worker {worker}" if worker else ""))
 
 
 def ref(world: World, obs: Observation) -> None:
@@ -121,7 +131,7 @@ def ref(world: World, obs: Observation) -> None:
     """
     loads: Counter[int] = Counter()
     storing: set[int] = set()
-    for job in world.executor.jobs:
+    for job in world.open_jobs.values():
         for key in dict.fromkeys(key for _b, key, _s in job.copies):
             if job.kind == "load":
                 loads[key] += 1
@@ -148,28 +158,31 @@ def atomic(before: tuple, after: tuple, accepted: object) -> None:
 
 
 def cursor(world: World, obs: Observation) -> None:
-    """CURSOR — a request's store cursor never passes its fully computed offload blocks.
+    """CURSOR — a request's store cursor never passes its offload blocks that are both computed and hashed.
 
-    Prevents keys for tokens that are not computed yet (a store would copy half-written slots). That the cursor
-    never skips a storable block is checked exactly against the spec's cursor.
+    Prevents keys for tokens that are not computed yet (a store would copy half-written slots), and a cursor that
+    runs ahead of the block hashes (async scheduling and draft tokens schedule positions whose tokens the engine
+    has not seen): the blocks it skipped are never stored. That the cursor never skips a storable block is
+    checked exactly against the spec's cursor.
     """
     for req_id, at in obs.cursors.items():
         req = world.requests.get(req_id)
-        if req is None:  # finished: the connector may keep its state until the delayed free
+        if req is None or req_id in world.preempted_since_step:  # the connector hears of these next step
             continue
-        done = req.num_computed_tokens // world.config.offload_block_size
-        _require(at <= done, "CURSOR", f"request {req_id}: cursor {at} passes its {done} computed offload blocks")
+        hashed = len(req.block_hashes) * world.config.block_size
+        done = min(req.num_computed_tokens, hashed) // world.config.offload_block_size
+        _require(at <= done, "CURSOR", f"request {req_id}: cursor {at} passes its {done} computed and hashed "
+                                       f"offload blocks")
 
 
 def jobs(world: World) -> None:
-    """JOBS — per request, one load or any number of stores in flight, never both."""
-    kinds: dict[str, set[str]] = {}
-    for job in world.executor.jobs:
-        kinds.setdefault(job.req_id, set()).add(job.kind)
-    for req_id, seen in kinds.items():
-        _require(seen != {"store", "load"}, "JOBS", f"request {req_id} has loads and stores in flight at once")
-        _require(sum(j.kind == "load" for j in world.executor.jobs if j.req_id == req_id) <= 1, "JOBS",
-                 f"request {req_id} has more than one load in flight")
+    """JOBS — per request, one load or any number of stores in flight, never both (checked between rules and
+    each time a load is submitted, since an overlap can begin and end inside one step)."""
+    kinds: Counter[tuple[str, str]] = Counter((job.req_id, job.kind) for job in world.open_jobs.values())
+    for (req_id, kind), n in kinds.items():
+        _require(kind == "store" or not kinds[req_id, "store"], "JOBS",
+                 f"step {world.step_no}: request {req_id} has loads and stores in flight at once")
+        _require(kind == "store" or n <= 1, "JOBS", f"request {req_id} has more than one load in flight")
 
 
 def finish(req: Request, delayed: bool, stores: list[Job]) -> None:
@@ -184,10 +197,11 @@ def finish(req: Request, delayed: bool, stores: list[Job]) -> None:
              f"{len(stores)} store(s) in flight")
 
 
-def completions(world: World, output: WorkerOutput, polled: list[Job], load_errors: set[int]) -> None:
-    """JOBS / FAIL — each completion is reported once and for a known request; a failed load's blocks are
-    reported invalid (so the engine recomputes them) and nothing else is.
+def completions(world: World, executor: Executor, output: WorkerOutput, load_errors: set[int]) -> None:
+    """JOBS / FAIL — each worker reports each of its completions once and for a known request; a failed load's
+    blocks are reported invalid (so the engine recomputes them) and nothing else is.
     """
+    polled = executor.last_polled
     reported = Counter(output.job_results)
     expected = Counter((job.job_id, bool(job.ok)) for job in polled)
     _require(reported == expected, "JOBS",
@@ -200,7 +214,7 @@ def completions(world: World, output: WorkerOutput, polled: list[Job], load_erro
     _require(output.finished_recving == loaded, "JOBS",
              f"step {world.step_no}: finished_recving {sorted(output.finished_recving)}, loads done {sorted(loaded)}")
     for req_id in output.finished_sending:
-        _require(req_id in world.delayed and not world.executor.of(req_id), "JOBS",
+        _require(req_id in world.delayed and not executor.of(req_id), "JOBS",
                  f"step {world.step_no}: finished_sending names {req_id}, which has no delayed free pending "
                  f"or still has jobs")
 
@@ -224,7 +238,9 @@ def quiesce(world: World, obs: Observation | None) -> None:
     """
     leftovers: Iterable[str] = (
         *(f"request {r}" for r in world.requests), *(f"delayed free of {r}" for r in world.delayed),
-        *(f"job {j.job_id}" for j in world.executor.jobs),
+        *(f"job {j.job_id}" for j in world.open_jobs.values()),
+        *(f"job {j.job_id} on a worker" for j in world.in_flight()),
+        *(["an undelivered step output"] if world.undelivered else []),
         *(f"GPU block {b} still referenced" for b, n in enumerate(world.pool.refs) if n),
     )
     if obs is not None:
@@ -233,3 +249,13 @@ def quiesce(world: World, obs: Observation | None) -> None:
                      *(f"key {k:#x} ready={ready} refs={n}" for k, ready, n in obs.tier if not ready or n))
     leftovers = list(leftovers)
     _require(not leftovers, "QUIESCE", "left after draining: " + ", ".join(leftovers))
+
+
+def liveness(world: World, bound: int) -> None:
+    """LIVENESS — once no new requests arrive, every live request finishes within ``bound`` engine steps.
+
+    Prevents livelock: a tier entry whose load keeps failing, offered again after every recompute, makes a lone
+    request load, fail and recompute forever under ``kv_load_failure_policy="recompute"``.
+    """
+    _require(not world.requests, "LIVENESS",
+             f"step {world.step_no}: requests {sorted(world.requests)} still unfinished after {bound} steps")

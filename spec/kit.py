@@ -32,7 +32,7 @@ from . import invariants
 from .config import Config
 from .connector import SpecConnector
 from .invariants import SPEC_VERSION, Violation
-from .types import (CAPABILITIES, CAPABILITY_METHODS, FENCED_FREES, OBSERVE, REFUSE_STORE, TRANSFER_FAILURES)
+from .types import CAPABILITIES, CAPABILITY_METHODS, FENCED_FREES, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES
 from .world import Executor, ListKV, World
 
 __all__ = ["SPEC_VERSION", "ConformanceMachine", "Coverage", "Level", "Scenario", "SkippedRule", "capabilities_of",
@@ -80,13 +80,16 @@ class Scenario:
     delay: int = 0  # steps the environment may hold a transfer back (0: it completes at submit)
     failures: bool = False  # transfers may fail
     max_live: int = 6  # live requests at most
+    broken_loads: bool = False  # a persistent fault: every load fails on the last worker (requests must finish)
 
     def __str__(self) -> str:
         c = self.config
         cache = "" if c.prefix_caching else " no-prefix-cache"
         timing = f"delay={self.delay}" if self.delay else "immediate"
+        modes = "".join((" async" if c.async_scheduling else "", f" spec={c.num_spec_tokens}" * bool(c.num_spec_tokens),
+                         f" workers={c.num_workers}" * (c.num_workers > 1), " broken-loads" * self.broken_loads))
         return (f"k={c.k} gpu={c.num_gpu_blocks}{cache} tier={c.tier_blocks} {c.policy} budget={c.token_budget} "
-                f"{timing}{' failures' if self.failures else ''}")
+                f"{timing}{' failures' if self.failures else ''}{modes}")
 
 
 # ---- capabilities and coverage ---------------------------------------------------------------------------
@@ -118,10 +121,15 @@ def skipped_by(declared: frozenset[str], scenario: Scenario) -> tuple[dict[str, 
         unsupported["refuse_next_store"] = "the adapter does not declare 'refuse_store'"
     if FENCED_FREES in declared:
         unsupported["FINISH, SRC ownership"] = "the adapter declares 'fenced_frees' (its stores' bytes are checked)"
+    if RESET not in declared:
+        unsupported["reset_prefix_cache(reset_connector=True)"] = ("the adapter does not declare 'reset' (vLLM "
+                                                                   "would serve stale KV after a weight update)")
     if not scenario.failures:
         off["fail_next_transfer"] = "the scenario has failures=False"
     elif TRANSFER_FAILURES not in declared:
         unsupported["fail_next_transfer"] = "the adapter does not declare 'transfer_failures'"
+    if scenario.broken_loads and TRANSFER_FAILURES not in declared:
+        unsupported["broken_loads"] = "the adapter does not declare 'transfer_failures'"
     if not scenario.delay:
         off["advance_transfers"] = "the scenario completes transfers at submit (delay=0)"
     return unsupported, off
@@ -192,11 +200,16 @@ class ConformanceMachine(RuleBasedStateMachine):
             self.worlds.append(self._world(SpecConnector, ListKV))
 
     def _world(self, factory: Callable[[Config], Any], kv_factory: Callable[[int], Any]) -> World:
+        """One engine: the adapter's scheduler side and worker 0, then the other workers, each with its shard."""
         config = self.scenario.config
         connector = factory(config)
         declared = capabilities_of(connector)
-        return World(config, connector, kv_factory(config.num_gpu_blocks), Executor(self.scenario.delay),
-                     observable=OBSERVE in declared, fenced=FENCED_FREES in declared)
+        world = World(config, connector, kv_factory(config.num_gpu_blocks), Executor(self.scenario.delay),
+                      observable=OBSERVE in declared, fenced=FENCED_FREES in declared)
+        for _ in range(config.num_workers - 1):
+            world.add_worker(factory(config), kv_factory(config.num_gpu_blocks))
+        world.executors[-1].fail_loads = self.scenario.broken_loads and TRANSFER_FAILURES in declared
+        return world
 
     @property
     def subject(self) -> World:
@@ -248,11 +261,14 @@ class ConformanceMachine(RuleBasedStateMachine):
                 live = list(world.requests.values())
                 world.abort(live[i % len(live)])
 
-    @rule()
-    def reset_prefix_cache(self) -> None:
-        with self._rule("reset_prefix_cache"):
+    @rule(reset_connector=st.booleans())
+    def reset_prefix_cache(self, reset_connector: bool = False) -> None:
+        """vLLM's ``reset_prefix_cache``; with ``reset_connector`` (and the adapter's 'reset') a weight update: every
+        running request is preempted, the GPU prefix cache and the connector reset, and old KV is wrong from now on."""
+        weights = reset_connector and self.can(RESET)
+        with self._rule("reset_prefix_cache", **({"reset_connector": True} if weights else {})):
             for world in self.worlds:
-                world.reset_prefix_cache()
+                world.update_weights() if weights else world.reset_prefix_cache()
 
     @precondition(_when("refuse_next_store", lambda self: self.can(REFUSE_STORE)))
     @rule()
@@ -261,24 +277,26 @@ class ConformanceMachine(RuleBasedStateMachine):
             for world in self.worlds:
                 world.connector.refuse_next_store()
 
-    @precondition(_when("advance_transfers", lambda self: self.scenario.delay and self.subject.executor.jobs))
+    @precondition(_when("advance_transfers", lambda self: self.scenario.delay and any(self.subject.in_flight())))
     @rule(picks=st.lists(st.tuples(st.integers(0, 63), st.booleans()), min_size=1, max_size=8))
     def advance_transfers(self, picks: list[tuple[int, bool]]) -> None:
-        """Move picked transfers a stage on (execute or fail, then report), in the order given."""
+        """Move picked transfers (on any worker) a stage on (execute or fail, then report), in the order given."""
         with self._rule("advance_transfers", picks=picks):
             may_fail = self.scenario.failures and self.can(TRANSFER_FAILURES)
             for world in self.worlds:
                 for i, fail in picks:
-                    if world.executor.jobs:
-                        world.executor.advance(i, fail and may_fail)
+                    world.advance(i, fail and may_fail)
 
     @precondition(_when("fail_next_transfer",
                          lambda self: self.scenario.failures and self.can(TRANSFER_FAILURES)))
-    @rule()
-    def fail_next_transfer(self) -> None:
-        with self._rule("fail_next_transfer"):
+    @rule(worker=st.integers(0, 3))
+    def fail_next_transfer(self, worker: int = 0) -> None:
+        """The next transfer one worker executes fails (on the others it may succeed)."""
+        with self._rule("fail_next_transfer", worker=worker):
             for world in self.worlds:
-                world.executor.fail_next = True
+                world.executors[worker % len(world.executors)].fail_next = True
+
+
 
     @invariant()
     def invariants_hold(self) -> None:
@@ -292,6 +310,10 @@ class ConformanceMachine(RuleBasedStateMachine):
         if self.failed:
             return
         with self._guard():
+            if self.subject.fits():
+                for world in self.worlds:
+                    world.run_to_completion()
+                self._compare()
             for world in self.worlds:
                 world.drain()
             self._compare()

@@ -4,6 +4,10 @@ Entries are keyed by offload-block hash. A store is two-phase: ``prepare_store``
 keys not present (all or nothing) and marks the present ones used; ``complete_store`` makes the reserved entries
 ready, or removes them. A load pins ready entries (``prepare_load``) until ``complete_load``. Only ready, unpinned
 entries are evicted; which ones is the eviction policy's choice: LRU or ARC.
+
+An entry goes *stale* when a load of it fails (a persistent fault would fail it again, and the engine would
+recompute and load it forever) or when the tier is reset (a weight update made its KV wrong): it is never served
+again, and it goes as soon as no transfer is in flight on it. Its key comes back only when it is stored afresh.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from .types import Event, Key
 class Entry:
     ready: bool = False
     refs: int = 0  # in-flight loads
+    stale: bool = False  # never served again; removed once no transfer is in flight on it
 
 
 @define
@@ -131,21 +136,30 @@ class Tier:
     def lookup(self, keys: list[Key]) -> int:
         """How many leading keys are ready to load."""
         n = 0
-        while n < len(keys) and keys[n] in self.entries and self.entries[keys[n]].ready:
+        while n < len(keys) and self._loadable(keys[n]):
             n += 1
         return n
+
+    def _loadable(self, key: Key) -> bool:
+        entry = self.entries.get(key)
+        return entry is not None and entry.ready and not entry.stale
 
     def prepare_load(self, keys: list[Key]) -> None:
         """Pin the entries a load reads and mark them used."""
         for key in keys:
-            if key not in self.entries or not self.entries[key].ready:
+            if not self._loadable(key):
                 raise Violation("LOOKUP", f"key {key:#x} was promised at lookup but is not loadable at alloc")
             self.entries[key].refs += 1
             self.policy.touch(key)
 
-    def complete_load(self, keys: list[Key]) -> None:
+    def complete_load(self, keys: list[Key], ok: bool = True) -> None:
+        """Unpin; a failed load makes its entries stale."""
         for key in keys:
-            self.entries[key].refs -= 1
+            entry = self.entries[key]
+            entry.refs -= 1
+            entry.stale |= not ok
+            if entry.stale and not entry.refs:
+                self._remove([key])
 
     def prepare_store(self, keys: list[Key]) -> list[Key] | None:
         """Reserve entries for the keys not present and mark the present ones used; None, changing nothing, if
@@ -171,14 +185,30 @@ class Tier:
         return fresh
 
     def complete_store(self, keys: list[Key], ok: bool) -> None:
+        """Make the reserved entries ready; a failed store, or one reset meanwhile, leaves no entry behind."""
+        stored = [key for key in keys if ok and not self.entries[key].stale]
         for key in keys:
-            if ok:
+            if key in stored:
                 self.entries[key].ready = True
             else:
-                del self.entries[key]  # no ghost entry
+                del self.entries[key]
                 self.policy.remove(key)
-        if ok:
-            self.events.append(Event("stored", tuple(keys)))
+        if stored:
+            self.events.append(Event("stored", tuple(stored)))
+
+    def reset(self) -> None:
+        """Forget every entry: the idle ones now, those with transfers in flight once the transfers end."""
+        for entry in self.entries.values():
+            entry.stale = True
+        self._remove([key for key in self.policy.keys() if self.entries[key].ready and not self.entries[key].refs])
+
+    def _remove(self, keys: list[Key]) -> None:
+        """Drop ready entries, announcing it."""
+        for key in keys:
+            del self.entries[key]
+            self.policy.remove(key)
+        if keys:
+            self.events.append(Event("removed", tuple(keys)))
 
     def view(self) -> tuple[tuple[Key, bool, int], ...]:
         """(key, ready, refs) in the policy's order: what ``Observation.tier`` reports."""

@@ -52,7 +52,7 @@ class WorkerOutput:
 
     finished_sending: frozenset[str] = frozenset()  # finished requests whose delayed blocks may now be freed
     finished_recving: frozenset[str] = frozenset()  # requests whose load completed (successfully or not)
-    job_results: tuple[tuple[int, bool], ...] = ()  # (job id, success), each job exactly once
+    job_results: tuple[tuple[int, bool], ...] = ()  # (job id, success): once per job from each worker
 
 
 @frozen
@@ -74,6 +74,7 @@ class Job:
     executed: bool = False
     ok: bool | None = None
     reported: bool = False
+    epoch: int = 0  # the weights the KV it reads was computed with (set at submit)
 
     @property
     def gpu_blocks(self) -> tuple[int, ...]:
@@ -134,8 +135,11 @@ TRANSFER_FAILURES = "transfer_failures"  # failed transfers are reported (succes
 # and flushes those stores before any of the blocks is written again (vLLM's OffloadingConnector does this).
 # FINISH and the ownership half of SRC then do not apply; the bytes each store reads are still checked.
 FENCED_FREES = "fenced_frees"
-CAPABILITIES = (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES)
-CAPABILITY_METHODS = {OBSERVE: "observe", REFUSE_STORE: "refuse_next_store"}
+# reset_cache() -> bool: forget every stored entry (vLLM calls it after a weight update); stores in flight at the
+# reset never become loadable. Without it, the kit does not update weights (vLLM would serve stale KV).
+RESET = "reset"
+CAPABILITIES = (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET)
+CAPABILITY_METHODS = {OBSERVE: "observe", REFUSE_STORE: "refuse_next_store", RESET: "reset_cache"}
 
 
 @runtime_checkable

@@ -1,17 +1,25 @@
 """The world: a small, faithful model of vLLM v1's scheduler and KV-cache manager around a connector.
 
-One ``World`` owns a GPU block pool with prefix caching, the requests, a token budget per step, and the
-executor that decides when each transfer the connector submits runs, fails, and is reported. Each ``step()`` is
-one engine iteration, in vLLM's order:
+One ``World`` owns a GPU block pool with prefix caching, the requests, a token budget per step, the workers (each
+holds its own shard of every block, as tensor-parallel workers do) and the executors that decide when each
+transfer a worker submits runs, fails, and is reported. Each ``step()`` is one engine iteration, in vLLM's order:
 
   schedule (admissions ask the connector for hits) -> build_connector_meta -> handle_preemptions
-  -> start_load_kv -> forward pass (writes KV) -> wait_for_save -> get_finished -> update_connector_output
-  -> sample tokens, cache full blocks, finish requests (request_finished may delay the free)
+  -> start_load_kv -> forward pass (writes KV) -> wait_for_save -> get_finished (every worker, aggregated)
+  -> deliver the output: update_connector_output, free and cache blocks, sampled tokens, finishes
+     (request_finished may delay the free)
+
+The engine modes vLLM runs on GPUs are modelled too, because each one changes what a connector sees:
+  * async scheduling: the output of step N is delivered after step N+1 was scheduled, so the scheduler counts
+    tokens it has not seen yet (placeholders) and a request's block hashes lag behind its scheduled tokens;
+  * speculative decoding: draft tokens are scheduled and written like any other, then some are rejected, which
+    rolls computed tokens back; a rejected draft's KV is rewritten and never has a hash;
+  * weight updates: the tier must forget everything, since KV computed before the update is wrong after it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from enum import Enum
 from typing import Callable, Iterator
 
@@ -27,16 +35,28 @@ GARBAGE = -2  # content of a block nothing has written yet
 
 
 def extend_block_hashes(tokens: list[int], block_size: int, hashes: list[int]) -> None:
-    """Append the chained hash of every block of ``tokens`` that became full. The hash is also the block's
-    content: equal hashes mean equal prefixes, so a block holds the right KV iff it holds its hash."""
+    """Append the chained hash of every block of ``tokens`` that became full: equal hashes mean equal prefixes."""
     for i in range(len(hashes), len(tokens) // block_size):
         parent = hashes[-1] if hashes else 0
         hashes.append(hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size]))) & HASH_BITS)
 
 
+def kv_content(block_hash: int, epoch: int) -> int:
+    """The KV a block holds for the prefix ending in ``block_hash``, computed with the weights of ``epoch``. The
+    same tokens give other KV after a weight update: a tier entry stored before one is stale after it."""
+    return block_hash if epoch == 0 else hash((block_hash, epoch)) & HASH_BITS
+
+
 def next_token(tokens: list[int]) -> int:
     """The 'model': a deterministic greedy next token, so equal prefixes continue equally."""
     return hash(tuple(tokens[-3:])) % 3
+
+
+def continuation(tokens: list[int], n: int) -> list[int]:
+    out = list(tokens)
+    for _ in range(n):
+        out.append(next_token(out))
+    return out[len(tokens):]
 
 
 @define
@@ -130,14 +150,22 @@ class State(Enum):
 
 @define(eq=False)
 class Request:
+    """A request as the engine tracks it. What a connector reads: ``req_id``, ``num_tokens``, ``block_hashes``
+    (one per full block of those tokens: the only keys a connector can know) and ``num_computed_tokens``."""
+
     req_id: str
     prompt: tuple[int, ...]
     max_tokens: int
     block_size: int
-    tokens: list[int] = field()
-    block_hashes: list[int] = field(factory=list)
+    tokens: list[int] = field()  # every token sampled so far, as the GPU holds them
+    num_tokens: int = 0  # of which the scheduler has seen (async scheduling: one step behind)
+    block_hashes: list[int] = field(factory=list)  # of the full blocks of the first num_tokens tokens
+    content_hashes: list[int] = field(factory=list)  # of the full blocks of all tokens: what computed KV holds
     state: State = State.WAITING
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # the scheduler's count: it includes placeholders and unverified drafts
+    num_placeholders: int = 0  # tokens sampled (or about to be) that the scheduler has not seen (vLLM's name)
+    rollback: int = 0  # rejected drafts the scheduler has not rolled back yet (async scheduling)
+    num_final_tokens: int = 0  # leading positions whose KV the true tokens wrote, for good
     blocks: list[int] = field(factory=list)  # the block table
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     load_target: int = 0  # tokens computed once the pending load lands
@@ -149,37 +177,47 @@ class Request:
         return list(self.prompt)
 
     def __attrs_post_init__(self) -> None:
-        extend_block_hashes(self.tokens, self.block_size, self.block_hashes)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
+        self.num_tokens = len(self.tokens)
+        extend_block_hashes(self.tokens, self.block_size, self.content_hashes)
+        self.block_hashes = list(self.content_hashes)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.tokens) - len(self.prompt)
+        return self.num_tokens - len(self.prompt)
 
-    def append_token(self) -> None:
-        self.tokens.append(next_token(self.tokens))
-        extend_block_hashes(self.tokens, self.block_size, self.block_hashes)
+    def sample(self, n: int) -> None:
+        """The GPU samples ``n`` tokens; the scheduler sees them when they are delivered."""
+        self.tokens += continuation(self.tokens, n)
+        extend_block_hashes(self.tokens, self.block_size, self.content_hashes)
+
+    def deliver(self, n: int) -> None:
+        """``n`` more sampled tokens reach the scheduler: their block hashes exist from now on."""
+        self.num_tokens += n
+        self.block_hashes += self.content_hashes[len(self.block_hashes):self.num_tokens // self.block_size]
 
 
 @define
 class Executor:
-    """The environment's side of transfers. A job is submitted, then executed (its copy runs, or it fails without
-    copying), then released for reporting, then polled by the worker. With ``delay`` 0 all of it happens at submit;
-    otherwise the environment may hold a job back, but for at most ``delay`` steps."""
+    """The environment's side of one worker's transfers. A job is submitted, then executed (its copy runs, or it
+    fails without copying), then released for reporting, then polled by the worker. With ``delay`` 0 all of it
+    happens at submit; otherwise the environment may hold a job back, but for at most ``delay`` steps."""
 
     delay: int = 0
     jobs: list[Job] = field(factory=list)  # submitted, not yet polled, in submission order
     last_polled: list[Job] = field(factory=list)
     fail_next: bool = False  # the next job to execute fails
+    fail_loads: bool = False  # a persistent fault: every load fails
     before_store: Callable[[Job], None] | None = None  # checks what a store is about to read
+    on_submit: Callable[[Job], None] | None = None  # the engine learns of each job
     submitted_at: dict[int, int] = field(factory=dict)  # id(job) -> tick of submission
     ticks: int = 0
+    epoch: int = 0  # weight updates so far: the KV a store submitted now must read
     kv: GpuKV | None = None  # where failed loads leave garbage
 
     def submit(self, job: Job) -> None:
+        job.epoch = self.epoch
+        if self.on_submit:
+            self.on_submit(job)
         self.jobs.append(job)
         self.submitted_at[id(job)] = self.ticks
         if not self.delay:
@@ -196,7 +234,7 @@ class Executor:
                 job.reported = True
 
     def execute(self, job: Job, fail: bool = False) -> None:
-        ok = not (fail or self.fail_next)
+        ok = not (fail or self.fail_next or (self.fail_loads and job.kind == "load"))
         self.fail_next = False
         if ok:
             if job.kind == "store" and self.before_store:
@@ -237,47 +275,75 @@ class Executor:
     def of(self, req_id: str) -> list[Job]:
         return [j for j in self.jobs if j.req_id == req_id]
 
-    def unexecuted(self, kind: str) -> Iterator[Job]:
-        return (j for j in self.jobs if j.kind == kind and not j.executed)
 
-    def touching(self, block: int) -> Iterator[Job]:
-        """Jobs that still read (unexecuted stores) or write (unreported loads) a GPU block."""
-        return (j for j in self.jobs if block in j.gpu_blocks and (j.kind == "load" or not j.executed))
+@define
+class StepOutput:
+    """What one step produced, delivered to the scheduler at the end of that step (or of the next, under async
+    scheduling): the tokens each request sampled and the drafts it rejected, and the workers' aggregated output."""
+
+    samples: list[tuple[Request, int, int]]  # (request, tokens sampled, drafts rejected)
+    workers: WorkerOutput
+    load_errors: set[int]
+
+    def __bool__(self) -> bool:
+        return bool(self.samples or self.workers != WorkerOutput() or self.load_errors)
 
 
 @define
 class World:
     config: Config
-    connector: Connector
-    kv: GpuKV
-    executor: Executor = field(factory=Executor)
+    connector: Connector  # the scheduler side, and worker 0
+    kv: GpuKV  # worker 0's shard
+    executor: Executor = field(factory=Executor)  # worker 0's
     pool: BlockPool = field()
     observable: bool = False  # the connector has observe(): check TRACK, REF, CURSOR too
     fenced: bool = False  # the connector frees under in-flight stores and flushes before reuse (types.FENCED_FREES)
+    workers: list[Connector] = field(factory=list)  # every worker side, worker 0 first
+    kvs: list[GpuKV] = field(factory=list)
+    executors: list[Executor] = field(factory=list)
     requests: dict[str, Request] = field(factory=dict)  # live: not finished
     history: dict[str, Request] = field(factory=dict)  # every request ever added: what its blocks should hold
-    delayed: dict[str, Request] = field(factory=dict)  # finished, blocks held until the worker says so
+    delayed: dict[str, Request] = field(factory=dict)  # finished, blocks held until the workers say so
     waiting: deque[Request] = field(factory=deque)
     running: list[Request] = field(factory=list)
     finished_since_step: set[str] = field(factory=set)
+    preempted_since_step: set[str] = field(factory=set)
+    open_jobs: dict[int, Job] = field(factory=dict)  # submitted, and not yet reported by every worker
+    reports: Counter[int] = field(factory=Counter)  # job id -> reports delivered to the scheduler side
+    failed_jobs: set[int] = field(factory=set)  # jobs some worker reported as failed
+    remaining: dict[str, Counter[str]] = field(factory=lambda: {"sending": Counter(), "recving": Counter()})
+    bad_blocks: set[int] = field(factory=set)  # reported invalid, their request's load not yet finished
+    undelivered: StepOutput | None = None  # async scheduling: the last step's output
+    epoch: int = 0  # weight updates so far
     step_no: int = 0
     next_id: int = 0
     events: list = field(factory=list)
     stats: dict[str, int] = field(factory=lambda: dict.fromkeys(
         ("steps", "requests", "finished", "preemptions", "engine_hit_blocks", "tier_hit_tokens", "blocks_loaded",
-         "blocks_stored", "failed_transfers", "checks"), 0))
+         "blocks_stored", "failed_transfers", "drafts", "rejected_drafts", "weight_updates", "checks"), 0))
 
     @pool.default
     def _pool(self) -> BlockPool:
         return BlockPool(self.config.num_gpu_blocks)
 
     def __attrs_post_init__(self) -> None:
-        missing = [name for name in CONNECTOR_METHODS if not callable(getattr(self.connector, name, None))]
+        self._join(self.connector, self.kv, self.executor)
+
+    def add_worker(self, connector: Connector, kv: GpuKV) -> None:
+        """Another tensor-parallel worker: its own shard of every block, its own transfers, every job reported."""
+        self._join(connector, kv, Executor(self.executor.delay))
+
+    def _join(self, connector: Connector, kv: GpuKV, executor: Executor) -> None:
+        missing = [name for name in CONNECTOR_METHODS if not callable(getattr(connector, name, None))]
         if missing:
-            raise TypeError(f"{type(self.connector).__name__} is not a connector: it lacks {', '.join(missing)}")
-        self.executor.kv = self.kv
-        self.executor.before_store = lambda job: invariants.store_bytes(self, job)
-        self.connector.register_kv_caches(self.kv, self.executor)
+            raise TypeError(f"{type(connector).__name__} is not a connector: it lacks {', '.join(missing)}")
+        executor.kv = kv
+        executor.before_store = lambda job: invariants.store_bytes(self, job, kv)
+        executor.on_submit = self._submitted
+        self.workers.append(connector)
+        self.kvs.append(kv)
+        self.executors.append(executor)
+        connector.register_kv_caches(kv, executor)
 
     # ---- the engine's inputs -------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], max_tokens: int) -> Request:
@@ -293,6 +359,22 @@ class World:
         for block in [b for b in self.pool.hash_of if self.pool.refs[b] == 0]:
             del self.pool.by_hash[self.pool.hash_of.pop(block)]
 
+    def update_weights(self) -> bool:
+        """An RL loop's weight update: vLLM's ``reset_prefix_cache(reset_running_requests=True,
+        reset_connector=True)`` preempts every running request, drops the GPU prefix cache and resets the
+        connector; KV computed before it is wrong after it. Refused (False), as vLLM refuses it, while blocks are
+        held by anything but a running request (a load, a loaded request not yet running, a delayed free)."""
+        if self.delayed or any(r.blocks and r.state is not State.RUNNING for r in self.requests.values()):
+            return False
+        while self.running:
+            self._preempt(self.running.pop())
+        self.reset_prefix_cache()
+        self.epoch += 1
+        for executor in self.executors:
+            executor.epoch = self.epoch
+        self.stats["weight_updates"] += 1
+        return self.connector.reset_cache() is not False  # vLLM treats None (the base class's answer) as done
+
     def abort(self, req: Request) -> None:
         if req.state is State.RUNNING:
             self.running.remove(req)
@@ -302,58 +384,79 @@ class World:
 
     # ---- one engine step -----------------------------------------------------------------------------------
     def step(self) -> SchedulerOutput:
-        self.executor.tick()
+        for executor in self.executors:
+            executor.tick()
         out = self._schedule()
         meta = self.connector.build_connector_meta(out)
         if self.observable:
             invariants.track(self, self.connector.observe())
-        self.connector.handle_preemptions(out.preempted_req_ids)
+        for worker in self.workers:
+            worker.handle_preemptions(out.preempted_req_ids)
         if not self.fenced:
             invariants.src(self)
-        self.connector.start_load_kv(meta)
-        self._forward(out)
-        self.connector.wait_for_save(meta)
-        self.executor.last_polled = []
-        output = self.connector.get_finished(out.finished_req_ids)
-        load_errors = set(self.connector.get_block_ids_with_load_errors())
-        invariants.completions(self, output, self.executor.last_polled, load_errors)
-        self.connector.update_connector_output(output)
-        self._apply_worker_output(output, load_errors)
-        self._after_forward(out)
+        for worker in self.workers:
+            worker.start_load_kv(meta)
+        samples = self._forward(out)
+        for worker in self.workers:
+            worker.wait_for_save(meta)
+        output: StepOutput | None = StepOutput(samples, *self._worker_output(out))
+        if self.config.async_scheduling:  # the engine schedules the next step before it applies this one
+            output, self.undelivered = self.undelivered, output
+        if output is not None:
+            self._deliver(output)
         self.events += self.connector.take_events()
         self.stats["steps"] += 1
-        self.stats["blocks_stored"] += sum(
-            len(j.copies) for j in self.executor.last_polled if j.kind == "store" and j.ok)
-        self.stats["failed_transfers"] += sum(not j.ok for j in self.executor.last_polled)
         return out
 
     def _schedule(self) -> SchedulerOutput:
         self.step_no += 1
         budget = self.config.token_budget
         scheduled: list[ScheduledRequest] = []
-        preempted: set[str] = set()
+        preempted_now = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_output_tokens + req.num_placeholders >= req.max_tokens:  # its last tokens are on the way
+                i += 1
+                continue
+            n = min(req.num_tokens + req.num_placeholders - req.num_computed_tokens, budget)
+            n += self._drafts(req, n, budget)
             new_blocks = self._grow(req, req.num_computed_tokens + n)
             while new_blocks is None:  # short of blocks: preempt the lowest-priority running request
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.add(victim.req_id)
+                preempted_now = True
                 if victim is req:
                     break
                 new_blocks = self._grow(req, req.num_computed_tokens + n)
             if new_blocks is None:
                 break
-            scheduled.append(ScheduledRequest(req.req_id, "running", tuple(new_blocks) or None,
-                                              req.num_computed_tokens, n))
+            scheduled.append(self._scheduled(req, "running", tuple(new_blocks) or None, n))
             budget -= n
             i += 1
-        if not preempted:
+        if not preempted_now:
             self._admit(scheduled, budget)
         finished, self.finished_since_step = frozenset(self.finished_since_step), set()
-        return SchedulerOutput(self.step_no, tuple(scheduled), frozenset(preempted), finished)
+        preempted, self.preempted_since_step = frozenset(self.preempted_since_step), set()
+        return SchedulerOutput(self.step_no, tuple(scheduled), preempted, finished)
+
+    def _drafts(self, req: Request, n: int, budget: int) -> int:
+        """Draft tokens to verify after a decode token, within the budget and the request's max_tokens."""
+        if n != 1 or req.num_computed_tokens + 1 != req.num_tokens + req.num_placeholders:
+            return 0
+        room = req.max_tokens - req.num_output_tokens - req.num_placeholders - 1
+        drafts = max(min(self.config.num_spec_tokens, budget - 1, room), 0)
+        self.stats["drafts"] += drafts
+        return drafts
+
+    def _scheduled(self, req: Request, kind: str, block_ids: tuple[int, ...] | None, n: int) -> ScheduledRequest:
+        """vLLM advances computed tokens when it schedules them; a request that will sample gets placeholders."""
+        s = ScheduledRequest(req.req_id, kind, block_ids, req.num_computed_tokens, n)  # type: ignore[arg-type]
+        known = req.num_tokens + req.num_placeholders
+        if req.num_computed_tokens < known <= req.num_computed_tokens + n:
+            req.num_placeholders += req.num_computed_tokens + n - known + 1  # the drafts and the sampled token
+        req.num_computed_tokens += n
+        return s
 
     def _admit(self, scheduled: list[ScheduledRequest], budget: int) -> None:
         for req in list(self.waiting):
@@ -375,8 +478,7 @@ class World:
             self.waiting.remove(req)
             self.running.append(req)
             req.state = State.RUNNING
-            scheduled.append(ScheduledRequest(req.req_id, "resumed" if req.resumed else "new", tuple(req.blocks),
-                                              req.num_computed_tokens, n))
+            scheduled.append(self._scheduled(req, "resumed" if req.resumed else "new", tuple(req.blocks), n))
             req.resumed = False
             budget -= n
 
@@ -399,7 +501,8 @@ class World:
             self.pool.release(hit)
             req.blocks = []
             return False
-        req.num_computed_tokens, req.num_cached_blocks = num_local, len(hit)
+        req.num_computed_tokens = req.num_final_tokens = num_local
+        req.num_cached_blocks = len(hit)
         self.stats["engine_hit_blocks"] += len(hit)
         self.connector.update_state_after_alloc(req, list(req.blocks), num_external)
         if num_external:
@@ -415,50 +518,146 @@ class World:
         return new
 
     def _preempt(self, req: Request) -> None:
-        self.pool.release(req.blocks)  # in-flight stores are flushed by the worker before the forward pass
-        req.blocks, req.num_computed_tokens, req.num_cached_blocks = [], 0, 0
+        self.pool.release(req.blocks)  # in-flight stores are flushed by the workers before the forward pass
+        if self.undelivered:  # vLLM still delivers a preempted request's in-flight tokens: deliver them now
+            self.undelivered.samples = [s for s in self.undelivered.samples if s[0] is not req]
+        req.deliver(len(req.tokens) - req.num_tokens)
+        req.blocks, req.num_computed_tokens, req.num_cached_blocks, req.num_final_tokens = [], 0, 0, 0
+        req.num_placeholders = req.rollback = 0
         req.state, req.resumed = State.PREEMPTED, True
         self.waiting.appendleft(req)
+        self.preempted_since_step.add(req.req_id)
         self.stats["preemptions"] += 1
 
-    def _forward(self, out: SchedulerOutput) -> None:
-        bs = self.config.block_size
+    def _forward(self, out: SchedulerOutput) -> list[tuple[Request, int, int]]:
+        """Write the KV of every scheduled position (drafts too), sample, and say what each request sampled."""
+        samples = []
         for s in out.scheduled:
             req = self.requests[s.req_id]
-            end = s.num_computed_tokens + s.num_scheduled_tokens
-            for i in range(s.num_computed_tokens // bs, -(-end // bs)):
-                block = req.blocks[i]
-                invariants.not_in_flight(self, block, "written by the forward pass")
-                self.kv.write(block, req.block_hashes[i] if end >= (i + 1) * bs else PARTIAL)
+            start = s.num_computed_tokens - req.rollback  # the GPU already knows which drafts it rejected
+            end, known = start + s.num_scheduled_tokens, len(req.tokens)
+            drafts = max(end - known, 0)
+            accepted = (known * 7 + self.step_no * 13) % (drafts + 1)  # the environment's verdict, reproducible
+            inputs = req.tokens[:end] + self._draft_tokens(req, drafts, accepted)
+            self._write(req, start, end, inputs)
+            if end >= known:  # every known token is computed: the request samples
+                req.sample(accepted + 1)
+                req.rollback += drafts - accepted
+                req.num_final_tokens = known + accepted
+                samples.append((req, accepted + 1, drafts - accepted))
+                self.stats["rejected_drafts"] += drafts - accepted
+            else:
+                req.num_final_tokens = end
+        return samples
+
+    @staticmethod
+    def _draft_tokens(req: Request, drafts: int, accepted: int) -> list[int]:
+        """The true continuation, wrong from draft ``accepted`` on (the first wrong one rejects the rest)."""
+        tokens = continuation(req.tokens, drafts)
+        return tokens[:accepted] + [(t + 1) % 3 for t in tokens[accepted:]]
+
+    def _write(self, req: Request, start: int, end: int, inputs: list[int]) -> None:
+        bs = self.config.block_size
+        hashes = req.content_hashes[:len(req.tokens) // bs]
+        extend_block_hashes(inputs, bs, hashes)  # blocks holding drafts get the hash of what was really input
+        for i in range(start // bs, -(-end // bs)):
+            block = req.blocks[i]
+            invariants.not_in_flight(self, block, "written by the forward pass")
+            content = kv_content(hashes[i], self.epoch) if end >= (i + 1) * bs else PARTIAL
+            for kv in self.kvs:
+                kv.write(block, content)
+
+    def _worker_output(self, out: SchedulerOutput) -> tuple[WorkerOutput, set[int]]:
+        """Every worker's completions, checked, then merged as vLLM's ``KVOutputAggregator`` merges them: a
+        request is finished once every worker said so, job results are concatenated, invalid blocks united."""
+        sending: set[str] = set()
+        recving: set[str] = set()
+        results: list[tuple[int, bool]] = []
+        errors: set[int] = set()
+        for worker, executor in zip(self.workers, self.executors):
+            executor.last_polled = []
+            output = worker.get_finished(out.finished_req_ids)
+            load_errors = set(worker.get_block_ids_with_load_errors())
+            invariants.completions(self, executor, output, load_errors)
+            results += output.job_results
+            errors |= load_errors
+            sending |= self._count_down("sending", output.finished_sending)
+            recving |= self._count_down("recving", output.finished_recving)
+        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results)), errors
+
+    def _count_down(self, what: str, req_ids: frozenset[str]) -> set[str]:
+        remaining, done = self.remaining[what], set()
+        for req_id in req_ids:
+            remaining[req_id] += 1
+            if remaining[req_id] == len(self.workers):
+                del remaining[req_id]
+                done.add(req_id)
+        return done
+
+    def _submitted(self, job: Job) -> None:
+        self.open_jobs.setdefault(job.job_id, job)
+        if job.kind == "load":  # a load and a store of one request may not overlap even within a step
+            invariants.jobs(self)
+
+    def _deliver(self, output: StepOutput) -> None:
+        self.connector.update_connector_output(output.workers)
+        self._count_reports(output.workers.job_results)
+        self._apply_worker_output(output.workers, output.load_errors)
+        for req, sampled, rejected in output.samples:
+            if self.requests.get(req.req_id) is req:  # not finished or aborted meanwhile
+                self._apply_sample(req, sampled, rejected)
+
+    def _count_reports(self, results: tuple[tuple[int, bool], ...]) -> None:
+        for job_id, ok in results:
+            self.reports[job_id] += 1
+            if not ok:
+                self.failed_jobs.add(job_id)
+            if self.reports[job_id] == len(self.workers):
+                job = self.open_jobs.pop(job_id)
+                del self.reports[job_id]
+                if job_id in self.failed_jobs:
+                    self.failed_jobs.discard(job_id)
+                    self.stats["failed_transfers"] += 1
+                elif job.kind == "store":
+                    self.stats["blocks_stored"] += len(job.copies)
 
     def _apply_worker_output(self, output: WorkerOutput, load_errors: set[int]) -> None:
+        self.bad_blocks |= load_errors  # another worker may finish this load later
         for req_id in sorted(output.finished_sending):  # sorted: set order must not steer block reuse
             self._release(self.delayed.pop(req_id).blocks)
         for req_id in sorted(output.finished_recving):
             if req_id in self.delayed:  # finished while its load was in flight: now the blocks can go
                 self._release(self.delayed.pop(req_id).blocks)
                 continue
-            req = self.requests[req_id]
-            bad = [i for i, b in enumerate(req.blocks) if b in load_errors]
-            done = min([req.load_target] + [i * self.config.block_size for i in bad])
-            self.stats["blocks_loaded"] += (done - req.num_computed_tokens) // self.config.block_size
-            req.num_computed_tokens, req.state = done, State.WAITING
-            self._cache_full_blocks(req)
-            req.num_computed_tokens = min(done, req.num_tokens - 1)  # a whole-prompt hit recomputes the last token
+            self._load_landed(self.requests[req_id])
 
-    def _after_forward(self, out: SchedulerOutput) -> None:
-        for s in out.scheduled:
-            req = self.requests[s.req_id]
-            req.num_computed_tokens += s.num_scheduled_tokens
-            self._cache_full_blocks(req)
-            if req.num_computed_tokens == req.num_tokens:
-                req.append_token()
-                if req.num_output_tokens >= req.max_tokens:
-                    self.running.remove(req)
-                    self._finish(req, State.FINISHED)
+    def _load_landed(self, req: Request) -> None:
+        bs = self.config.block_size
+        bad = [i for i, b in enumerate(req.blocks) if b in self.bad_blocks]
+        self.bad_blocks -= set(req.blocks)
+        done = min([req.load_target] + [i * bs for i in bad])
+        self.stats["blocks_loaded"] += (done - req.num_computed_tokens) // bs
+        req.num_computed_tokens = req.num_final_tokens = done
+        req.state = State.WAITING
+        if done == 0:  # nothing valid: vLLM frees the blocks without telling the connector, and allocates anew
+            self.pool.release(req.blocks)
+            req.blocks, req.num_cached_blocks = [], 0
+            return
+        self._cache_full_blocks(req)
+        req.num_computed_tokens = min(done, req.num_tokens - 1)  # a whole-prompt hit recomputes the last token
+
+    def _apply_sample(self, req: Request, sampled: int, rejected: int) -> None:
+        req.num_computed_tokens -= rejected
+        req.num_placeholders -= rejected + sampled
+        req.rollback -= rejected
+        req.deliver(sampled)
+        self._cache_full_blocks(req)
+        if req.num_output_tokens >= req.max_tokens:
+            self.running.remove(req)
+            self._finish(req, State.FINISHED)
 
     def _cache_full_blocks(self, req: Request) -> None:
-        full = req.num_computed_tokens // self.config.block_size
+        full = min(req.num_final_tokens // self.config.block_size, len(req.block_hashes))
         for i in range(req.num_cached_blocks, full):
             invariants.not_in_flight(self, req.blocks[i], "entered the prefix cache", ("load",))
             self.pool.cache(req.blocks[i], req.block_hashes[i])
@@ -468,11 +667,11 @@ class World:
         loading = req.state is State.WAITING_FOR_LOAD  # the engine itself holds its blocks until the load lands
         req.state = state
         del self.requests[req.req_id]
-        self.finished_since_step.add(req.req_id)
+        self.finished_since_step.add(req.req_id)  # if preempted since the last step, it is reported as both
         self.stats["finished"] += 1
         delay = False
         if req.looked_up:
-            stores = [job for job in self.executor.of(req.req_id) if job.kind == "store"]
+            stores = [job for job in self.jobs_of(req.req_id) if job.kind == "store"]
             delay = self.connector.request_finished(req, list(req.blocks))
             if not self.fenced:
                 invariants.finish(req, delay, stores)
@@ -487,6 +686,27 @@ class World:
                 invariants.not_in_flight(self, b, "freed", ("load",) if self.fenced else ("store", "load"))
         self.pool.release(blocks)
 
+    # ---- transfers, as the engine and the workers see them ---------------------------------------------------
+    def jobs_of(self, req_id: str) -> list[Job]:
+        """Jobs of a request that the scheduler side has not heard the end of from every worker."""
+        return [job for job in self.open_jobs.values() if job.req_id == req_id]
+
+    def in_flight(self) -> Iterator[Job]:
+        """Every worker's copy of every job submitted and not yet polled."""
+        for executor in self.executors:
+            yield from executor.jobs
+
+    def touching(self, block: int) -> Iterator[Job]:
+        """Jobs that still read (unexecuted stores) or write (unreported loads) a GPU block, on any worker."""
+        return (j for j in self.in_flight() if block in j.gpu_blocks and (j.kind == "load" or not j.executed))
+
+    def advance(self, index: int, fail: bool) -> None:
+        """The environment moves one job on one worker a stage on (picked by index over all workers' jobs)."""
+        jobs = [(executor, i) for executor in self.executors for i in range(len(executor.jobs))]
+        if jobs:
+            executor, i = jobs[index % len(jobs)]
+            executor.advance(i, fail)
+
     # ---- for the kit ---------------------------------------------------------------------------------------
     def check(self) -> None:
         """The state invariants, after any rule."""
@@ -498,14 +718,32 @@ class World:
             invariants.cursor(self, obs)
         self.stats["checks"] += 1
 
-    def drain(self, max_steps: int = 8) -> None:
+    def run_to_completion(self) -> None:
+        """LIVENESS: with no new requests, every live request finishes within a bound of engine steps."""
+        bound = 20 + 4 * sum(len(r.prompt) + r.max_tokens for r in self.requests.values())
+        steps = 0
+        while self.requests and steps < bound:
+            self.step()
+            steps += 1
+        invariants.liveness(self, bound)
+
+    def fits(self) -> bool:
+        """The live requests fit the GPU pool together. (When they do not, the engine itself can deadlock: waiting
+        requests that hold loaded blocks are never preempted, in vLLM as here. Liveness is the connector's only
+        where the engine cannot stall on its own.)"""
+        need = sum(-(-(len(r.prompt) + r.max_tokens + self.config.num_spec_tokens) // self.config.block_size)
+                   for r in self.requests.values())
+        return need + sum(len(r.blocks) for r in self.delayed.values()) <= self.config.num_gpu_blocks
+
+    def drain(self, max_steps: int = 12) -> None:
         """Abort everything, let every transfer finish, and check QUIESCE."""
         for req in list(self.requests.values()):
             self.abort(req)
         for _ in range(max_steps):
-            if not (self.executor.jobs or self.delayed or self.finished_since_step):
+            if not (self.open_jobs or self.delayed or self.finished_since_step or self.undelivered):
                 break
-            self.executor.drain()
+            for executor in self.executors:
+                executor.drain()
             self.step()
         invariants.quiesce(self, self.connector.observe() if self.observable else None)
 
@@ -513,5 +751,5 @@ class World:
         """What two worlds driven by equivalent connectors agree on, step for step."""
         reqs = tuple((r.req_id, r.state.value, r.num_computed_tokens, tuple(r.blocks), r.num_tokens)
                      for r in self.requests.values())
-        jobs = tuple((j.req_id, j.kind, j.copies, j.executed, j.ok, j.reported) for j in self.executor.jobs)
+        jobs = tuple((j.req_id, j.kind, j.copies, j.executed, j.ok, j.reported) for j in self.in_flight())
         return reqs, tuple(sorted(self.delayed)), jobs, tuple(self.events)

@@ -14,6 +14,24 @@ SCENARIOS = {
         Config(num_gpu_blocks=18, offload_block_size=6, tier_blocks=3, prefix_caching=False), delay=1, failures=True),
 }
 
+# The modes vLLM runs on GPUs: async scheduling, speculative decoding, tensor-parallel workers, and a persistent
+# load fault (liveness); weight updates (reset_prefix_cache(reset_connector=True)) run in every scenario.
+GPU_MODE_SCENARIOS = {
+    "k1-async-delayed-failures": Scenario(Config(num_gpu_blocks=14, tier_blocks=4, async_scheduling=True),
+                                          delay=2, failures=True),
+    "k2-spec3-immediate-no-prefix-cache": Scenario(
+        Config(num_gpu_blocks=16, offload_block_size=4, tier_blocks=6, num_spec_tokens=3, prefix_caching=False)),
+    "k1-async-spec2-delayed-failures": Scenario(
+        Config(num_gpu_blocks=16, tier_blocks=4, async_scheduling=True, num_spec_tokens=2), delay=1, failures=True),
+    "k1-tp2-delayed-failures-no-prefix-cache": Scenario(
+        Config(num_gpu_blocks=12, tier_blocks=4, num_workers=2, prefix_caching=False), delay=2, failures=True),
+    "k2-tp4-async-spec3-delayed-failures": Scenario(
+        Config(num_gpu_blocks=18, offload_block_size=4, tier_blocks=5, num_workers=4, async_scheduling=True,
+               num_spec_tokens=3), delay=1, failures=True),
+    "k1-broken-loads-no-prefix-cache": Scenario(
+        Config(num_gpu_blocks=16, tier_blocks=6, prefix_caching=False), delay=1, failures=True, broken_loads=True),
+}
+
 ARC_SCENARIOS = {
     "arc-k1-immediate": Scenario(Config(num_gpu_blocks=14, tier_blocks=4, policy="arc", prefix_caching=False)),
     "arc-k2-delayed-failures": Scenario(

@@ -11,7 +11,9 @@ from kvoffload.reference import ReferenceConnector, TensorKV
 from kvoffload.spec import SpecConnector
 from kvoffload.spec.kit import run_conformance
 
-from .scenarios import ARC_SCENARIOS, SCENARIOS
+from .scenarios import ARC_SCENARIOS, GPU_MODE_SCENARIOS, SCENARIOS
+
+ALL = {**SCENARIOS, **GPU_MODE_SCENARIOS, **ARC_SCENARIOS}
 
 LAYOUTS = [  # cycled over the scenarios so every layout and several dtypes meet the suite
     partial(LayeredKV, shape="kv_first", dtype=torch.bfloat16),
@@ -21,17 +23,16 @@ LAYOUTS = [  # cycled over the scenarios so every layout and several dtypes meet
 ]
 
 
-@pytest.mark.parametrize("name", [*SCENARIOS, *ARC_SCENARIOS])
+@pytest.mark.parametrize("name", ALL)
 def test_spec_keeps_its_invariants(name):
-    run_conformance(SpecConnector, {**SCENARIOS, **ARC_SCENARIOS}[name], level="invariants")
+    run_conformance(SpecConnector, ALL[name], level="invariants")
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", [*SCENARIOS, *GPU_MODE_SCENARIOS])
 def test_reference_equals_spec(name):
-    run_conformance(ReferenceConnector, SCENARIOS[name], level="exact", kv_factory=TensorKV)
+    run_conformance(ReferenceConnector, {**SCENARIOS, **GPU_MODE_SCENARIOS}[name], level="exact", kv_factory=TensorKV)
 
 
-@pytest.mark.parametrize("i, name", list(enumerate([*SCENARIOS, *ARC_SCENARIOS])))
+@pytest.mark.parametrize("i, name", list(enumerate(ALL)))
 def test_impl_equals_spec(i, name):
-    scenario = {**SCENARIOS, **ARC_SCENARIOS}[name]
-    run_conformance(OffloadConnector, scenario, level="exact", kv_factory=LAYOUTS[i % len(LAYOUTS)])
+    run_conformance(OffloadConnector, ALL[name], level="exact", kv_factory=LAYOUTS[i % len(LAYOUTS)])

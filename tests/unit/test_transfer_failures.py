@@ -68,8 +68,13 @@ def test_failed_load_reports_its_blocks_invalid(monkeypatch):
     output = connector.get_finished(frozenset())
     assert output.finished_recving == {"r1"} and output.job_results[0][1] is False
     assert connector.get_block_ids_with_load_errors() == {5, 6}
+    keys = [key for key, _ready, _refs in connector.tier.view()]
+    connector.take_events()
     connector.update_connector_output(output)
-    assert [refs for _k, _ready, refs in connector.tier.view()] == [0, 0]  # unpinned again
+    assert connector.tier.view() == ()  # unpinned and dropped: a persistent fault would fail every later load
+    events = connector.take_events()
+    assert {e.kind for e in events} == {"removed"} and [k for e in events for k in e.keys] == keys
+    assert connector.get_num_new_matched_tokens(again, 0) == (0, False)  # not offered again until stored afresh
 
 
 @pytest.mark.parametrize("large_run", [0, 1 << 30], ids=["per-run-copies", "indexed-copies"])
