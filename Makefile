@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-model test stateful variants bench gpu-check clean
+.PHONY: install demo demo-model lint test stateful variants bench gpu-check clean
 
 install: $(STAMP)
 
@@ -21,6 +21,14 @@ demo: $(STAMP)
 
 demo-model: $(STAMP)
 	$(PY) -m kvoffload.reference.demo
+
+# ruff over the tree; mypy over kvoffload.spec (strict), .reference and .impl (config in pyproject.toml). mypy cannot
+# follow setuptools' editable-install import hook, so it reads kvoffload.* through links under .cache/mypy.
+lint: $(STAMP)
+	mkdir -p .cache/mypy/kvoffload
+	for p in spec reference impl; do ln -sfn ../../../$$p .cache/mypy/kvoffload/$$p; done
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 test: $(STAMP)
 	$(PY) -m pytest -n auto tests

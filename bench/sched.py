@@ -94,14 +94,13 @@ def replay(connector_class: type, config: Config, trace: list, measured_from: in
     connector = connector_class(config)
     requests: dict[str, ReplayRequest] = {}
     spent, changed = 0.0, 0
-    for i, (name, states, args) in enumerate(trace):
+    for i, (name, states, recorded) in enumerate(trace):
         for req_id, (n_hashes, n_tokens, n_computed) in states.items():
             req = requests.get(req_id) or requests.setdefault(req_id, ReplayRequest(req_id, []))
             if len(req.block_hashes) < n_hashes:
                 req.block_hashes.extend(hashes[req_id][len(req.block_hashes):n_hashes])
             req.num_tokens, req.num_computed_tokens = n_tokens, n_computed
-        if name in REQUEST_CALLS:
-            args = (requests[args[0]], *args[1:])
+        args = (requests[recorded[0]], *recorded[1:]) if name in REQUEST_CALLS else recorded
         method = getattr(connector, name)
         if i < measured_from:
             method(*args)

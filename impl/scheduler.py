@@ -14,7 +14,7 @@ from typing import Any
 from attrs import define, field
 
 from kvoffload.spec.config import Config, UnknownRequestError
-from kvoffload.spec.types import Copy, Event, SchedulerOutput, TransferPlan, WorkerOutput
+from kvoffload.spec.types import Copy, Event, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput
 
 from .tier import OffloadTier
 
@@ -33,7 +33,7 @@ class RequestState:
 class TransferSpec:
     job_id: int
     req_id: str
-    kind: str  # "store" | "load"
+    kind: TransferKind
     keys: list[int]  # distinct, in order
     copies: list[Copy]  # (GPU block, key, index of that GPU block inside its offload block)
     rows: list[int]  # host row of each copy
@@ -95,7 +95,7 @@ class OffloadScheduler:
             rows = [slots[p // k - base] * k + p % k for p in range(first, end)]
             self._loads.append(self._transfer(state, "load", keys, copies, rows))
 
-    def _transfer(self, state: RequestState, kind: str, keys: list[int], copies: list[Copy],
+    def _transfer(self, state: RequestState, kind: TransferKind, keys: list[int], copies: list[Copy],
                   rows: list[int]) -> TransferSpec:
         spec = TransferSpec(next(self._job_ids), state.request.req_id, kind, keys, copies, rows)
         self.unfinished[spec.job_id] = spec
@@ -117,10 +117,8 @@ class OffloadScheduler:
                 if sched.block_ids:
                     state.blocks += sched.block_ids
             else:
-                state.blocks, state.cursor = list(sched.block_ids), 0
+                state.blocks, state.cursor = list(sched.block_ids or ()), 0
             full = (sched.num_computed_tokens + sched.num_scheduled_tokens) // size
-            if full > state.cursor:
-                full = min(full, len(state.request.block_hashes) // self.k)  # keys exist for seen tokens only
             if full > state.cursor:
                 store = self._store(state, full)
                 if store is not None:
@@ -128,7 +126,12 @@ class OffloadScheduler:
         return plan
 
     def _store(self, state: RequestState, full: int) -> TransferSpec | None:
+        """Offer offload blocks [cursor, full) to the tier, as far as their keys exist (tokens the engine has
+        seen); a transfer for those it accepts."""
         k, hashes, first = self.k, state.request.block_hashes, state.cursor
+        full = min(full, len(hashes) // k)
+        if full <= first:
+            return None
         state.cursor = full
         keys = [hashes[j * k + k - 1] for j in range(first, full)]
         slots = self.tier.prepare_store(keys)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvoffload.spec.config import BlockIdError, ConfigError
-from kvoffload.spec.types import Job
+from kvoffload.spec.types import Job, TransferKind
 
 LAYOUTS = ("blocks_first", "kv_first")  # [num_blocks, ...] / [2, num_blocks, ...]
 
@@ -86,7 +86,7 @@ class Copier:
         if len(blocks) and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
             raise BlockIdError(f"GPU block ids {blocks.tolist()} out of range [0, {self.num_blocks})")
 
-    def plan(self, kind: str, blocks: np.ndarray, rows: np.ndarray) -> Callable[[], None]:
+    def plan(self, kind: TransferKind, blocks: np.ndarray, rows: np.ndarray) -> Callable[[], None]:
         """A closure that performs the copy; all indexing work is done here, at submit time."""
         if kind == "store":
             src_idx, dst_idx, pairs = blocks, rows, list(zip(self.pool.regions, self.views))  # (dst, src)
@@ -131,7 +131,8 @@ class Copier:
                 dst.index_copy_(0, dst_t, src[s0:s0 + len(src_idx)] if src_is_run else src.index_select(0, src_t))
         return scatter
 
-    def _plan_staged(self, kind: str, pairs: list, src_idx: np.ndarray, dst_idx: np.ndarray) -> Callable[[], None]:
+    def _plan_staged(self, kind: TransferKind, pairs: list, src_idx: np.ndarray,
+                     dst_idx: np.ndarray) -> Callable[[], None]:
         """Gather scattered blocks into a staging buffer on the views' device with one kernel per view, then move
         it with one copy per run of host rows (usually one): on CUDA, one DMA instead of one per block."""
         n = len(src_idx)

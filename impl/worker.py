@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvoffload.spec.config import Config
+from kvoffload.spec.config import Config, registered
 from kvoffload.spec.types import Job, TransferPlan, WorkerOutput
 
 from .scheduler import TransferSpec
@@ -17,7 +17,7 @@ from .transfer import Copier, CudaStreamExecutor, HostPool, InlineExecutor, bloc
 class OffloadWorker:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.copier: Copier | None = None
+        self._copier: Copier | None = None  # set by register_kv_caches
         self.executor: Any = None
         self.submitted: dict[int, TransferSpec] = {}
         self.pending: Counter[str] = Counter()  # request -> transfers submitted, not yet reported
@@ -30,10 +30,14 @@ class OffloadWorker:
         """``kv`` has ``caches`` (name -> tensor) and ``layout``; ``executor`` defaults to CUDA streams when the
         caches live on a GPU, else inline copies."""
         views = block_views(kv.caches, kv.layout)
-        self.copier = Copier(views, HostPool(views, self.config.tier_blocks * self.config.k))
+        self._copier = Copier(views, HostPool(views, self.config.tier_blocks * self.config.k))
         if executor is None:
             executor = CudaStreamExecutor(views[0].device) if views[0].is_cuda else InlineExecutor()
         self.executor = executor
+
+    @property
+    def copier(self) -> Copier:
+        return registered(self._copier, "copier")
 
     def handle_preemptions(self, req_ids: frozenset[str]) -> None:
         jobs = set().union(*(self.stores_of.get(r, ()) for r in req_ids))

@@ -13,9 +13,9 @@ from collections import Counter, defaultdict
 import torch
 from attrs import define
 
-from kvoffload.spec.config import BlockIdError, Config, ConfigError, UnknownRequestError
+from kvoffload.spec.config import BlockIdError, Config, ConfigError, UnknownRequestError, registered
 from kvoffload.spec.types import (OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Copy, Event, Job, Observation,
-                                  SchedulerOutput, TransferPlan, WorkerOutput)
+                                  SchedulerOutput, TransferKind, TransferPlan, WorkerOutput)
 from kvoffload.spec.world import Executor, Request
 
 from .tier import LRUTier
@@ -25,7 +25,7 @@ from .tier import LRUTier
 class Transfer:
     job_id: int
     req_id: str
-    kind: str  # "store" | "load"
+    kind: TransferKind
     copies: tuple[Copy, ...]  # (GPU block, key, index in the offload block)
     host_rows: tuple[int, ...]  # host buffer row of each copy
 
@@ -125,7 +125,7 @@ class ReferenceConnector:
             rows.append(slots[key] * k + i % k)
         self._loads_to_send.append(self._transfer(req_id, "load", copies, rows))
 
-    def _transfer(self, req_id: str, kind: str, copies: list[Copy], rows: list[int]) -> Transfer:
+    def _transfer(self, req_id: str, kind: TransferKind, copies: list[Copy], rows: list[int]) -> Transfer:
         transfer = Transfer(next(self._job_ids), req_id, kind, tuple(copies), tuple(rows))
         self._unfinished[transfer.job_id] = transfer
         return transfer
@@ -217,8 +217,21 @@ class ReferenceConnector:
         rows = self.config.tier_blocks * self.config.k
         self._host = torch.zeros((rows, kv.tensor.shape[1]), dtype=kv.tensor.dtype)
 
+    # what register_kv_caches set
+    @property
+    def executor(self) -> Executor:
+        return registered(self._executor, "executor")
+
+    @property
+    def gpu(self) -> torch.Tensor:
+        return registered(self._gpu, "gpu")
+
+    @property
+    def host(self) -> torch.Tensor:
+        return registered(self._host, "host")
+
     def handle_preemptions(self, req_ids: frozenset[str]) -> None:
-        self._executor.flush({t.job_id for t in self._submitted.values() if t.kind == "store" and t.req_id in req_ids})
+        self.executor.flush({t.job_id for t in self._submitted.values() if t.kind == "store" and t.req_id in req_ids})
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
         self._draining |= metadata.delayed
@@ -230,22 +243,22 @@ class ReferenceConnector:
             self._submit(transfer)
 
     def _submit(self, transfer: Transfer) -> None:
-        blocks, pool = [b for b, _key, _sub in transfer.copies], self._gpu.shape[0]
+        blocks, pool = [b for b, _key, _sub in transfer.copies], self.gpu.shape[0]
         if any(not 0 <= b < pool for b in blocks):
             raise BlockIdError(f"transfer {transfer.job_id} names GPU blocks {blocks}; the pool has {pool}")
         gpu_idx, host_idx = torch.tensor(blocks), torch.tensor(transfer.host_rows)
         if transfer.kind == "store":
             def run() -> None:
-                self._host.index_copy_(0, host_idx, self._gpu.index_select(0, gpu_idx))
+                self.host.index_copy_(0, host_idx, self.gpu.index_select(0, gpu_idx))
         else:
             def run() -> None:
-                self._gpu.index_copy_(0, gpu_idx, self._host.index_select(0, host_idx))
+                self.gpu.index_copy_(0, gpu_idx, self.host.index_select(0, host_idx))
         self._submitted[transfer.job_id] = transfer
-        self._executor.submit(Job(transfer.job_id, transfer.req_id, transfer.kind, transfer.copies, run))
+        self.executor.submit(Job(transfer.job_id, transfer.req_id, transfer.kind, transfer.copies, run))
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
         pending = Counter(t.req_id for t in self._submitted.values())
-        results = self._executor.poll()
+        results = self.executor.poll()
         recving = set()
         for job_id, success in results:
             transfer = self._submitted.pop(job_id)

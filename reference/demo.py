@@ -33,8 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     config = Config(num_gpu_blocks=40, block_size=2, offload_block_size=4, tier_blocks=10, token_budget=32)
-    worlds = [World(config, connector(config), kv(config.num_gpu_blocks), Executor(args.delay), observable=True)
-              for connector, kv in ((ReferenceConnector, TensorKV), (SpecConnector, ListKV))]
+    reference = ReferenceConnector(config)
+    worlds = [World(config, reference, TensorKV(config.num_gpu_blocks), Executor(args.delay), observable=True),
+              World(config, SpecConnector(config), ListKV(config.num_gpu_blocks), Executor(args.delay),
+                    observable=True)]
     pending = workload(args.requests, args.seed)
     rnd = random.Random(args.seed + 1)
     violations, start = [], time.perf_counter()
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                 world.step()
                 world.check()
             if worlds[0].snapshot() != worlds[1].snapshot() or \
-                    worlds[0].connector.observe() != worlds[1].connector.observe():
+                    worlds[0].observe() != worlds[1].observe():
                 raise Violation("EQUIV", f"step {worlds[0].step_no}: reference and spec diverged")
             if worlds[0].step_no % 100 == 0:
                 print(f"  step {worlds[0].step_no}: {worlds[0].stats['finished']}/{args.requests} requests done",
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         ("blocks stored to the tier", ref.stats["blocks_stored"]),
         ("tier hits (tokens)", ref.stats["tier_hit_tokens"]),
         ("blocks loaded from the tier", ref.stats["blocks_loaded"]),
-        ("store allocation failures", ref.connector.tier.refusals),
+        ("store allocation failures", reference.tier.refusals),
         ("preemptions", ref.stats["preemptions"]),
         ("invariants checked", sum(CHECKED.values())),
         ("violations", len(violations)),
@@ -78,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\nkvoffload demo — reference connector vs spec, prefix-heavy workload")
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
-    for violation in violations:
-        print(f"\n{violation}")
+    for found in violations:
+        print(f"\n{found}")
     return 1 if violations else 0
 
 

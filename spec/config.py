@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from attrs import frozen
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -13,16 +17,29 @@ class UnknownRequestError(KeyError):
     """A connector was told about a request id it never saw."""
 
     def __str__(self) -> str:  # KeyError would print only the repr of the id
-        return self.args[0]
+        message: str = self.args[0]
+        return message
 
 
 class BlockIdError(IndexError):
     """A block id outside the GPU pool (or a tier slot outside the tier)."""
 
 
+def registered(value: T | None, name: str) -> T:
+    """A worker-side attribute that ``register_kv_caches`` sets: a clear error when it has not been called."""
+    if value is None:
+        raise RuntimeError(f"{name} is not set: register_kv_caches has not been called")
+    return value
+
+
 def _require_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _require_non_negative(name: str, value: object) -> None:
+    if not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
 
 
 @frozen
@@ -45,8 +62,7 @@ class Config:
         for name in ("num_gpu_blocks", "block_size", "offload_block_size", "tier_blocks", "token_budget",
                      "num_workers"):
             _require_positive(name, getattr(self, name))
-        if not isinstance(self.num_spec_tokens, int) or self.num_spec_tokens < 0:
-            raise ConfigError(f"num_spec_tokens must be a non-negative integer, got {self.num_spec_tokens!r}")
+        _require_non_negative("num_spec_tokens", self.num_spec_tokens)
         if self.offload_block_size % self.block_size:
             raise ConfigError(
                 f"offload_block_size ({self.offload_block_size} tokens) must be a multiple of "

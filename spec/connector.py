@@ -26,14 +26,15 @@ Worker side
 from __future__ import annotations
 
 from collections import Counter
-from typing import ClassVar
+from functools import partial
+from typing import Callable, ClassVar
 
 from attrs import define, field
 
-from .config import Config, UnknownRequestError
+from .config import Config, UnknownRequestError, registered
 from .tier import Tier
-from .types import (OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Copy, Event, Job, Key, Observation, SchedulerOutput,
-                    TransferPlan, WorkerOutput)
+from .types import (OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Copy, Event, Job, Key, Observation,
+                    SchedulerOutput, TransferKind, TransferPlan, WorkerOutput)
 from .world import Executor, ListKV, Request
 
 
@@ -41,7 +42,7 @@ from .world import Executor, ListKV, Request
 class JobSpec:
     job_id: int
     req_id: str
-    kind: str
+    kind: TransferKind
     copies: tuple[Copy, ...]
 
     @property
@@ -68,9 +69,9 @@ class SpecConnector:
     pending_loads: list[JobSpec] = field(factory=list)
     delayed: set[str] = field(factory=set)
     next_job_id: int = 0
-    # worker side
-    kv: ListKV | None = None
-    executor: Executor | None = None
+    # worker side (kv and executor: set by register_kv_caches)
+    _kv: ListKV | None = None
+    _executor: Executor | None = None
     tier_bytes: dict[tuple[Key, int], int] = field(factory=dict)  # (key, GPU block index in it) -> content
     in_flight: dict[int, JobSpec] = field(factory=dict)  # worker's view: submitted, not yet polled
     finishing: set[str] = field(factory=set)
@@ -129,7 +130,7 @@ class SpecConnector:
         copies = [(table[j * k + s], keys[j], s) for j in range(start, full) if keys[j] in accepted for s in range(k)]
         return self._new_job(req.req_id, "store", copies)
 
-    def _new_job(self, req_id: str, kind: str, copies: list[Copy]) -> JobSpec:
+    def _new_job(self, req_id: str, kind: TransferKind, copies: list[Copy]) -> JobSpec:
         job = JobSpec(self.next_job_id, req_id, kind, tuple(copies))
         self.next_job_id += 1
         self.jobs[job.job_id] = job
@@ -176,7 +177,15 @@ class SpecConnector:
 
     # ---- worker side ---------------------------------------------------------------------------------------
     def register_kv_caches(self, kv: ListKV, executor: Executor) -> None:
-        self.kv, self.executor = kv, executor
+        self._kv, self._executor = kv, executor
+
+    @property
+    def kv(self) -> ListKV:
+        return registered(self._kv, "kv")
+
+    @property
+    def executor(self) -> Executor:
+        return registered(self._executor, "executor")
 
     def handle_preemptions(self, req_ids: frozenset[str]) -> None:
         self.executor.flush({j.job_id for j in self.in_flight.values() if j.req_id in req_ids and j.kind == "store"})
@@ -184,14 +193,20 @@ class SpecConnector:
     def start_load_kv(self, metadata: TransferPlan) -> None:
         self.finishing |= metadata.delayed
         for job in metadata.loads:
-            self._submit(job, lambda job=job: [self.kv.write(b, self.tier_bytes[key, s]) for b, key, s in job.copies])
+            self._submit(job, partial(self._copy_in, job))
 
     def wait_for_save(self, metadata: TransferPlan) -> None:
         for job in metadata.stores:
-            self._submit(job, lambda job=job: self.tier_bytes.update(
-                {(key, s): self.kv.read(b) for b, key, s in job.copies}))
+            self._submit(job, partial(self._copy_out, job))
 
-    def _submit(self, job: JobSpec, run) -> None:
+    def _copy_in(self, job: JobSpec) -> None:  # a load: tier -> GPU
+        for b, key, s in job.copies:
+            self.kv.write(b, self.tier_bytes[key, s])
+
+    def _copy_out(self, job: JobSpec) -> None:  # a store: GPU -> tier
+        self.tier_bytes.update({(key, s): self.kv.read(b) for b, key, s in job.copies})
+
+    def _submit(self, job: JobSpec, run: Callable[[], None]) -> None:
         for b, _key, _s in job.copies:
             self.kv.check(b)
         self.in_flight[job.job_id] = job

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Iterable
 
-from .types import Observation, WorkerOutput
+from .types import Key, Observation, WorkerOutput
 
 if TYPE_CHECKING:
     from .types import GpuKV, Job
@@ -50,13 +50,13 @@ def track(world: World, obs: Observation) -> None:
             _require(tuple(got) == tuple(req.blocks), "TRACK",
                      f"step {world.step_no}, request {req.req_id}: scheduler table {req.blocks}, connector {list(got)}")
     for req_id, table in obs.tracked.items():
-        req = world.requests.get(req_id) or world.delayed.get(req_id)
-        if req is not None and req.state.value == "waiting" and not req.blocks:
+        owner = world.requests.get(req_id) or world.delayed.get(req_id)
+        if owner is not None and owner.state.value == "waiting" and not owner.blocks:
             continue  # vLLM freed its blocks after a failed load without telling; the next alloc replaces the table
         if table:
-            _require(req is not None and tuple(table) == tuple(req.blocks), "TRACK",
+            _require(owner is not None and tuple(table) == tuple(owner.blocks), "TRACK",
                      f"step {world.step_no}: connector tracks {list(table)} for {req_id}, which holds "
-                     f"{req.blocks if req else 'no blocks'}")
+                     f"{owner.blocks if owner is not None else 'no blocks'}")
 
 
 def src(world: World) -> None:
@@ -83,10 +83,9 @@ def store_bytes(world: World, job: Job, kv: GpuKV) -> None:
     from .world import kv_content
     req, k = world.history[job.req_id], world.config.k
     for block, key, sub in job.copies:
-        last = req.block_hashes.index(key) if key in req.block_hashes else None
-        _require(last is not None, "SRC", f"step {world.step_no}: store job {job.job_id} of {job.req_id} stores "
-                                          f"key {key:#x}, which is not a block of that request's prefix")
-        position = last - (k - 1) + sub
+        _require(key in req.block_hashes, "SRC", f"step {world.step_no}: store job {job.job_id} of {job.req_id} "
+                                                 f"stores key {key:#x}, which is not a block of that request's prefix")
+        position = req.block_hashes.index(key) - (k - 1) + sub
         _require(kv.holds(block, kv_content(req.block_hashes[position], job.epoch)), "SRC",
                  f"step {world.step_no}: store job {job.job_id} of {job.req_id} reads GPU block {block} for "
                  f"position {position}, but the block holds other bytes")
@@ -146,7 +145,8 @@ def ref(world: World, obs: Observation) -> None:
              f"jobs in flight on keys the tier does not hold: {sorted(set(loads) - listed | storing - listed)}")
 
 
-def atomic(before: tuple, after: tuple, accepted: object) -> None:
+def atomic(before: tuple[tuple[Key, bool, int], ...], after: tuple[tuple[Key, bool, int], ...],
+           accepted: object) -> None:
     """ATOMIC — a refused ``prepare_store`` (it returned None) changes nothing: no entry evicted, added, reordered.
 
     Prevents a refusal for one request from evicting entries another request is about to hit, and stores that

@@ -21,7 +21,7 @@ import warnings
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal, cast
 
 from attrs import define, field, fields, frozen
 from hypothesis import HealthCheck, Phase, settings
@@ -32,7 +32,8 @@ from . import invariants
 from .config import Config
 from .connector import SpecConnector
 from .invariants import SPEC_VERSION, Violation
-from .types import CAPABILITIES, CAPABILITY_METHODS, FENCED_FREES, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES
+from .types import (CAPABILITIES, CAPABILITY_METHODS, FENCED_FREES, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES,
+                    Refusable)
 from .world import Executor, ListKV, World
 
 __all__ = ["SPEC_VERSION", "ConformanceMachine", "Coverage", "Level", "Scenario", "SkippedRule", "capabilities_of",
@@ -41,8 +42,8 @@ __all__ = ["SPEC_VERSION", "ConformanceMachine", "Coverage", "Level", "Scenario"
 Level = Literal["invariants", "exact"]
 
 # ---- Hypothesis profiles: the one place settings live --------------------------------------------------------
-_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-               report_multiple_bugs=False)
+_COMMON: dict[str, Any] = dict(deadline=None, report_multiple_bugs=False,
+                               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 _NO_EXPLAIN = [p for p in Phase if p is not Phase.explain]  # explaining a stateful failure costs minutes
 settings.register_profile("pr", derandomize=True, max_examples=60, stateful_step_count=40, phases=_NO_EXPLAIN,
                           **_COMMON)
@@ -54,8 +55,9 @@ PROFILE_ENV = "HYPOTHESIS_PROFILE"
 
 def load_profile(name: str | None = None) -> settings:
     """Load the named profile (default: $HYPOTHESIS_PROFILE, else "pr") and return it."""
-    settings.load_profile(name or os.environ.get(PROFILE_ENV, "pr"))
-    return settings.default
+    name = name or os.environ.get(PROFILE_ENV, "pr")
+    settings.load_profile(name)
+    return settings.get_profile(name)
 
 
 # ---- public strategies -------------------------------------------------------------------------------------
@@ -167,7 +169,7 @@ class Coverage:
 _GUARDED: set[str] = set()  # rules behind a precondition
 
 
-def _when(name: str, predicate: Callable[[Any], Any]) -> Callable:
+def _when(name: str, predicate: Callable[[Any], Any]) -> Callable[[ConformanceMachine], bool]:
     """The precondition of rule ``name``, counting how often it held, for the coverage report."""
     _GUARDED.add(name)
 
@@ -176,6 +178,18 @@ def _when(name: str, predicate: Callable[[Any], Any]) -> Callable:
         self.coverage.enabled[name] += held
         return held
     return guard
+
+
+# ---- what a failure carries ---------------------------------------------------------------------------------
+def _record(exc: BaseException, **found: Any) -> None:
+    """Attach the kit's findings to the exception it lets through, whatever its type, as ``kvoffload_<name>``."""
+    for name, value in found.items():
+        setattr(exc, f"kvoffload_{name}", value)
+
+
+def recorded(exc: BaseException, name: str) -> Any:
+    """A finding ``_record`` attached: ``rules_run``, ``trace`` (the program) or ``coverage``."""
+    return getattr(exc, f"kvoffload_{name}")
 
 
 # ---- the state machine -------------------------------------------------------------------------------------
@@ -224,9 +238,9 @@ class ConformanceMachine(RuleBasedStateMachine):
             yield
         except Exception as exc:
             self.failed = True  # teardown must not bury this failure under a second one
-            exc.kvoffload_rules_run = len(self.trace)  # the program's length, reported per faulty variant
-            exc.kvoffload_trace = list(self.trace)  # the last run Hypothesis raises from is the shrunk one
-            exc.kvoffload_coverage = self.coverage
+            _record(exc, rules_run=len(self.trace),  # the program's length, reported per faulty variant
+                    trace=list(self.trace),  # the last run Hypothesis raises from is the shrunk one
+                    coverage=self.coverage)
             if not isinstance(exc, Violation):
                 exc.add_note(f"[kvoffload spec {SPEC_VERSION}] raised by the connector after {len(self.trace)} rules")
             raise
@@ -275,7 +289,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     def refuse_next_store(self) -> None:
         with self._rule("refuse_next_store"):
             for world in self.worlds:
-                world.connector.refuse_next_store()
+                cast(Refusable, world.connector).refuse_next_store()  # the precondition checked REFUSE_STORE
 
     @precondition(_when("advance_transfers", lambda self: self.scenario.delay and any(self.subject.in_flight())))
     @rule(picks=st.lists(st.tuples(st.integers(0, 63), st.booleans()), min_size=1, max_size=8))
@@ -296,8 +310,6 @@ class ConformanceMachine(RuleBasedStateMachine):
             for world in self.worlds:
                 world.executors[worker % len(world.executors)].fail_next = True
 
-
-
     @invariant()
     def invariants_hold(self) -> None:
         with self._guard():
@@ -306,17 +318,19 @@ class ConformanceMachine(RuleBasedStateMachine):
             self._compare()
 
     def teardown(self) -> None:
-        self.coverage.world.update(self.subject.stats)
-        if self.failed:
-            return
-        with self._guard():
-            if self.subject.fits():
-                for world in self.worlds:
-                    world.run_to_completion()
-                self._compare()
-            for world in self.worlds:
-                world.drain()
-            self._compare()
+        """Let the live requests finish (LIVENESS), then drain everything (QUIESCE)."""
+        try:
+            if not self.failed:
+                with self._guard():
+                    if self.subject.fits():
+                        for world in self.worlds:
+                            world.run_to_completion()
+                        self._compare()
+                    for world in self.worlds:
+                        world.drain()
+                    self._compare()
+        finally:
+            self.coverage.world.update(self.subject.stats)
 
     def _compare(self) -> None:
         """Exact level: the subject's world and observations equal the spec's, field by field."""
@@ -326,7 +340,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         views = [(name, a, b) for name, a, b in zip(("requests", "delayed frees", "transfers", "events"),
                                                    mine.snapshot(), spec.snapshot())]
         if mine.observable:
-            ours, theirs = mine.connector.observe(), spec.connector.observe()
+            ours, theirs = mine.observe(), spec.observe()
             views += [(f.name, getattr(ours, f.name), getattr(theirs, f.name)) for f in fields(type(ours))]
         for name, a, b in views:
             if a != b:
@@ -343,7 +357,7 @@ def make_machine(factory: Callable[[Config], Any], scenario: Scenario = Scenario
 
 def run_conformance(factory: Callable[[Config], Any], scenario: Scenario = Scenario(), level: Level = "invariants",
                     kv_factory: Callable[[int], Any] = ListKV, profile: str | None = None,
-                    trace: str | os.PathLike | None = None, **overrides: Any) -> Coverage:
+                    trace: str | os.PathLike[str] | None = None, **overrides: Any) -> Coverage:
     """Run the kit against ``factory`` and return what it exercised. A failure is raised shrunk, with the spec
     version in its message; with ``trace`` its program is written there as JSON Lines first."""
     base = load_profile(profile) if profile else settings.default

@@ -21,9 +21,12 @@ Nothing here imports Hypothesis until a kit fixture is used: pytest loads this p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest
+
+if TYPE_CHECKING:
+    from .kit import Level
 
 PROFILES = ("pr", "nightly", "mutation")
 COVERAGE = "kvoffload_coverage"  # a user property of the test's report: it reaches the summary under xdist too
@@ -59,13 +62,13 @@ def kvoffload_scenario() -> Any:
 
 
 @pytest.fixture
-def kvoffload_level() -> str:
+def kvoffload_level() -> Level:
     return "invariants"
 
 
 @pytest.fixture
-def kvoffload_conformance(request: pytest.FixtureRequest, kvoffload_adapter: Callable, kvoffload_scenario: Any,
-                          kvoffload_level: str) -> Callable[..., Any]:
+def kvoffload_conformance(request: pytest.FixtureRequest, kvoffload_adapter: Callable[[Any], Any],
+                          kvoffload_scenario: Any, kvoffload_level: Level) -> Callable[..., Any]:
     """Runs the kit against ``kvoffload_adapter``; keyword arguments override Hypothesis settings."""
     from hypothesis import settings
 
@@ -74,6 +77,7 @@ def kvoffload_conformance(request: pytest.FixtureRequest, kvoffload_adapter: Cal
     def run(**overrides: Any) -> Any:
         if request.node.get_closest_marker("kvoffload_slow"):
             base = settings.default
+            assert base is not None, "Hypothesis loads a settings profile on import"
             overrides = {"max_examples": max(1, base.max_examples // 4),
                          "stateful_step_count": max(1, base.stateful_step_count // 2), **overrides}
         trace = Path(request.config.getoption("kvoffload_trace_dir")) / f"{request.node.name}.jsonl"

@@ -52,7 +52,7 @@ class LRU:
     def keys(self) -> list[Key]:
         return list(self.order)
 
-    def state(self) -> tuple:
+    def state(self) -> tuple[()]:
         return ()
 
 
@@ -88,7 +88,8 @@ class ARC:
     def victims(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         from_t1: Iterator[Key] = (k for k in self.t1 if evictable(k))
         from_t2: Iterator[Key] = (k for k in self.t2 if evictable(k))
-        t1_size, found = len(self.t1), []
+        t1_size = len(self.t1)
+        found: list[Key] = []
         while len(found) < n:
             first, second = (from_t1, from_t2) if t1_size > self.p else (from_t2, from_t1)
             key = next(first, None)
@@ -110,11 +111,11 @@ class ARC:
     def keys(self) -> list[Key]:
         return [*self.t1, *self.t2]
 
-    def state(self) -> tuple:
+    def state(self) -> tuple[int, tuple[Key, ...], tuple[Key, ...], tuple[Key, ...]]:
         return self.p, tuple(self.t1), tuple(self.b1), tuple(self.b2)
 
 
-POLICIES = {"lru": lambda capacity: LRU(), "arc": ARC}
+POLICIES: dict[str, Callable[[int], LRU | ARC]] = {"lru": lambda capacity: LRU(), "arc": ARC}  # name -> factory
 
 
 @define

@@ -20,7 +20,7 @@ from attrs import asdict
 
 from .config import Config
 from .invariants import SPEC_VERSION
-from .kit import ConformanceMachine, Scenario, make_machine
+from .kit import ConformanceMachine, Scenario, make_machine, recorded
 
 
 def qualified_name(obj: Any) -> str:
@@ -46,7 +46,7 @@ def write_trace(path: Path, machine: type[ConformanceMachine], failure: BaseExce
               "failure": f"{type(failure).__name__}: {failure}".splitlines()[0]}
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as out:
-        for line in [header, *({"rule": name, "args": args} for name, args in failure.kvoffload_trace)]:
+        for line in [header, *({"rule": name, "args": args} for name, args in recorded(failure, "trace"))]:
             out.write(json.dumps(line) + "\n")
 
 

@@ -12,6 +12,7 @@ from attrs import define, field, frozen
 
 Key = int  # a tier key: the chained hash of the last GPU block of an offload block
 Copy = tuple[int, Key, int]  # (GPU block id, tier key, index of that GPU block inside the offload block)
+TransferKind = Literal["store", "load"]  # the direction of a transfer: GPU -> tier, or tier -> GPU
 
 
 class ScheduledRequest(NamedTuple):  # a tuple: engines build one per request per step
@@ -68,7 +69,7 @@ class Job:
 
     job_id: int
     req_id: str
-    kind: Literal["store", "load"]
+    kind: TransferKind
     copies: tuple[Copy, ...]
     run: Callable[[], None] = field(repr=False)
     executed: bool = False
@@ -88,8 +89,8 @@ class Observation:
     tracked: dict[str, tuple[int, ...]]  # request -> GPU block table as the connector believes it
     cursors: dict[str, int]  # request -> offload blocks already handled (stored, in flight, present, refused)
     tier: tuple[tuple[Key, bool, int], ...]  # (key, ready, ref count), in eviction order
-    jobs: tuple[tuple[str, str, tuple[Copy, ...]], ...]  # (request, kind, copies) in flight, sorted
-    tier_state: tuple = ()  # the eviction policy's own state (ARC: target, t1, ghosts)
+    jobs: tuple[tuple[str, TransferKind, tuple[Copy, ...]], ...]  # (request, kind, copies) in flight, sorted
+    tier_state: tuple[object, ...] = ()  # the eviction policy's own state (ARC: target, t1, ghosts)
 
 
 @runtime_checkable
@@ -116,7 +117,7 @@ class Connector(Protocol):
     def take_events(self) -> list[Event]: ...
 
     # worker side
-    def register_kv_caches(self, kv: GpuKV, executor: Any) -> None: ...
+    def register_kv_caches(self, kv: Any, executor: Any) -> None: ...  # kv: a GpuKV of the type the adapter works on
     def handle_preemptions(self, req_ids: frozenset[str]) -> None: ...
     def start_load_kv(self, metadata: Any) -> None: ...
     def wait_for_save(self, metadata: Any) -> None: ...
@@ -140,6 +141,19 @@ FENCED_FREES = "fenced_frees"
 RESET = "reset"
 CAPABILITIES = (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET)
 CAPABILITY_METHODS = {OBSERVE: "observe", REFUSE_STORE: "refuse_next_store", RESET: "reset_cache"}
+
+
+# The methods those capabilities promise, for code that has checked the capability (``capabilities_of``).
+class Observable(Protocol):
+    def observe(self) -> Observation: ...
+
+
+class Refusable(Protocol):
+    def refuse_next_store(self) -> None: ...
+
+
+class Resettable(Protocol):
+    def reset_cache(self) -> bool | None: ...
 
 
 @runtime_checkable

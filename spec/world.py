@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from enum import Enum
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
 from attrs import define, field
 
 from . import invariants
 from .config import BlockIdError, Config
-from .types import CONNECTOR_METHODS, Connector, GpuKV, Job, ScheduledRequest, SchedulerOutput, WorkerOutput
+from .types import (CONNECTOR_METHODS, Connector, Event, GpuKV, Job, Observable, Observation, Resettable,
+                    ScheduledRequest, SchedulerOutput, WorkerOutput)
 
 HASH_BITS = (1 << 62) - 1
 PARTIAL = -1  # content of a block whose tokens are only partly computed
@@ -181,6 +182,11 @@ class Request:
         extend_block_hashes(self.tokens, self.block_size, self.content_hashes)
         self.block_hashes = list(self.content_hashes)
 
+    def loading(self) -> bool:
+        """Admitted with a tier hit, its load not landed yet. A method: calls change ``state`` behind a type
+        checker's back, and it would narrow a property (or ``state`` itself) across them."""
+        return self.state is State.WAITING_FOR_LOAD
+
     @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - len(self.prompt)
@@ -317,7 +323,7 @@ class World:
     epoch: int = 0  # weight updates so far
     step_no: int = 0
     next_id: int = 0
-    events: list = field(factory=list)
+    events: list[Event] = field(factory=list)
     stats: dict[str, int] = field(factory=lambda: dict.fromkeys(
         ("steps", "requests", "finished", "preemptions", "engine_hit_blocks", "tier_hit_tokens", "blocks_loaded",
          "blocks_stored", "failed_transfers", "drafts", "rejected_drafts", "weight_updates", "checks"), 0))
@@ -373,7 +379,9 @@ class World:
         for executor in self.executors:
             executor.epoch = self.epoch
         self.stats["weight_updates"] += 1
-        return self.connector.reset_cache() is not False  # vLLM treats None (the base class's answer) as done
+        # the kit updates weights only for a connector that declares RESET; vLLM treats None (the base class's
+        # answer) as done
+        return cast(Resettable, self.connector).reset_cache() is not False
 
     def abort(self, req: Request) -> None:
         if req.state is State.RUNNING:
@@ -389,7 +397,7 @@ class World:
         out = self._schedule()
         meta = self.connector.build_connector_meta(out)
         if self.observable:
-            invariants.track(self, self.connector.observe())
+            invariants.track(self, self.observe())
         for worker in self.workers:
             worker.handle_preemptions(out.preempted_req_ids)
         if not self.fenced:
@@ -462,7 +470,7 @@ class World:
         for req in list(self.waiting):
             if budget <= 0:
                 break
-            if req.state is State.WAITING_FOR_LOAD:
+            if req.loading():
                 continue
             if not req.blocks:
                 hit = self._lookup(req)
@@ -470,7 +478,7 @@ class World:
                     continue
                 if not self._allocate_with_hits(req, budget, *hit):
                     break
-            if req.state is State.WAITING_FOR_LOAD:
+            if req.loading():
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self._grow(req, req.num_computed_tokens + n) is None:
@@ -664,7 +672,7 @@ class World:
         req.num_cached_blocks = max(req.num_cached_blocks, full)
 
     def _finish(self, req: Request, state: State) -> None:
-        loading = req.state is State.WAITING_FOR_LOAD  # the engine itself holds its blocks until the load lands
+        loading = req.loading()  # the engine itself holds its blocks until the load lands
         req.state = state
         del self.requests[req.req_id]
         self.finished_since_step.add(req.req_id)  # if preempted since the last step, it is reported as both
@@ -713,7 +721,7 @@ class World:
         invariants.content(self)
         invariants.jobs(self)
         if self.observable:
-            obs = self.connector.observe()
+            obs = self.observe()
             invariants.ref(self, obs)
             invariants.cursor(self, obs)
         self.stats["checks"] += 1
@@ -745,9 +753,13 @@ class World:
             for executor in self.executors:
                 executor.drain()
             self.step()
-        invariants.quiesce(self, self.connector.observe() if self.observable else None)
+        invariants.quiesce(self, self.observe() if self.observable else None)
 
-    def snapshot(self) -> tuple:
+    def observe(self) -> Observation:
+        """The connector's observable state; only for an ``observable`` world (its connector declares OBSERVE)."""
+        return cast(Observable, self.connector).observe()
+
+    def snapshot(self) -> tuple[tuple[object, ...], ...]:
         """What two worlds driven by equivalent connectors agree on, step for step."""
         reqs = tuple((r.req_id, r.state.value, r.num_computed_tokens, tuple(r.blocks), r.num_tokens)
                      for r in self.requests.values())

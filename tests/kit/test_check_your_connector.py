@@ -22,7 +22,7 @@ def without_the_run(example: str) -> str:
 
 
 def test_the_page_has_its_examples():
-    assert len(examples()) == 4
+    assert len(examples()) == 5
 
 
 def test_a_connector_with_its_own_eviction_policy_passes():
@@ -41,8 +41,15 @@ def test_a_broken_connector_fails_with_a_readable_report():
     assert f"[kvoffload spec {SPEC_VERSION}] FINISH: request r0" in PAGE.read_text()  # the page shows this version
 
 
+def test_the_fifo_connector_passes_in_the_gpu_engine_modes():
+    scope: dict = {}
+    exec(compile(without_the_run(examples()[0]), str(PAGE), "exec"), scope)
+    exec(compile(examples()[2], str(PAGE), "exec"), scope)
+    assert scope["gpu"].config.num_workers == 4 and scope["gpu"].config.async_scheduling
+
+
 def test_the_pytest_section_runs_through_the_plugin(pytester):
-    _, _, conftest, test = examples()
+    _, _, _, conftest, test = examples()
     pytester.makepyfile(my_connectors=without_the_run(examples()[0]), test_conformance=test)
     pytester.makeconftest(conftest)
     result = pytester.runpytest_subprocess("--kvoffload-profile=pr", "-p", "no:cacheprovider")

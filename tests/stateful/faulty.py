@@ -1,10 +1,12 @@
-"""Known offloading bugs, each re-created as a small, named deviation from the reference connector.
+"""Known offloading bugs, each re-created as a small, named deviation from the reference connector, or from the
+production connector for the bugs of the engine modes vLLM runs on GPUs.
 
 The conformance kit must catch every one (``test_faulty_variants.py``). Add a bug here when you learn of one.
 """
 
 from __future__ import annotations
 
+from kvoffload.impl import OffloadConnector, OffloadTier
 from kvoffload.reference import LRUTier, ReferenceConnector
 
 
@@ -70,5 +72,86 @@ class EvictPinned(ReferenceConnector):
     tier_class = _IgnorePinsTier
 
 
+class HitWhileStoring(ReferenceConnector):
+    """The lookup offers a tier hit while the request's own stores are still in flight: a load and stores of one
+    request overlap (they may begin and end inside one engine step)."""
+
+    def _has_jobs(self, req_id: str) -> bool:
+        return False
+
+
 VARIANTS = [BreakOnRefusedStore, NoFlushOnPreemption, FreeWhileStoring, CursorNotRewound, EvictBeforeRefusing,
-            EvictPinned]
+            EvictPinned, HitWhileStoring]
+
+
+# ---- the engine modes vLLM runs on GPUs, in the production connector ---------------------------------------------
+class CursorPastHashes(OffloadConnector):
+    """Async scheduling and draft tokens schedule positions whose tokens (and so keys) do not exist yet. Storing
+    what is hashed is right; moving the cursor to the scheduled end anyway skips those blocks for good (the fix
+    for the IndexError this mode raised, done wrong)."""
+
+    def _store(self, state, full):
+        hashed = len(state.request.block_hashes) // self.k
+        store = super()._store(state, min(full, hashed))
+        state.cursor = max(state.cursor, full)  # the bug: past blocks whose keys did not exist yet
+        return store
+
+
+class FirstReportCompletes(OffloadConnector):
+    """Tensor parallelism: every worker reports every job. Taking the first report as the job's completion frees
+    and serves what other workers are still copying (and the next report names a job it forgot)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.num_workers = 1  # the bug: one report per job
+
+
+class _ResetForgetsInFlight(OffloadTier):
+    def reset(self) -> None:  # the bug: only the idle entries go; in-flight stores become ready later
+        self._remove([key for key, slot in self.slot_of.items() if self.ready[slot] and not self.refs[slot]])
+
+
+class StoreLandsAfterReset(OffloadConnector):
+    """A weight update resets the tier, but a store in flight at the reset lands afterwards and is served: KV
+    computed with the old weights."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.tier = _ResetForgetsInFlight(config.tier_blocks, config.policy)
+
+
+class _FailedLoadStaysTier(OffloadTier):
+    def complete_load(self, keys, success=True) -> None:
+        super().complete_load(keys, True)  # the bug: a failed load leaves its entry loadable
+
+
+class FailedEntryOfferedForever(OffloadConnector):
+    """A persistent fault fails every load of an entry; offering it again after each recompute makes a lone
+    request load, fail and recompute forever (vLLM's kv_load_failure_policy="recompute")."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.tier = _FailedLoadStaysTier(config.tier_blocks, config.policy)
+
+
+class StoresBeforeTheForwardPass(OffloadConnector):
+    """Stores submitted in start_load_kv, before the forward pass writes the step's tokens. With speculative
+    decoding the block of the last sampled token still holds a rejected draft's KV then, and it is stored under the
+    real key."""
+
+    def start_load_kv(self, metadata) -> None:
+        super().start_load_kv(metadata)
+        super().wait_for_save(metadata)
+
+    def wait_for_save(self, metadata) -> None:
+        pass
+
+
+# each production variant, with the engine mode (a scenario in scenarios.GPU_MODE_SCENARIOS) that triggers it
+GPU_MODE_VARIANTS = {
+    CursorPastHashes: "k1-async-spec2-delayed-failures",
+    FirstReportCompletes: "k1-tp2-delayed-failures-no-prefix-cache",
+    StoreLandsAfterReset: "k1-tp2-delayed-failures-no-prefix-cache",
+    FailedEntryOfferedForever: "k1-broken-loads-no-prefix-cache",
+    StoresBeforeTheForwardPass: "k2-spec3-immediate-no-prefix-cache",
+}

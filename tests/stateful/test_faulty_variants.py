@@ -4,22 +4,26 @@ import time
 
 import pytest
 
+from kvoffload.impl import LayeredKV
 from kvoffload.reference import TensorKV
 from kvoffload.spec.kit import run_conformance
 
-from .faulty import VARIANTS
-from .scenarios import HUNT
+from .faulty import GPU_MODE_VARIANTS, VARIANTS
+from .scenarios import GPU_MODE_SCENARIOS, HUNT
+
+CASES = [(v, HUNT, TensorKV) for v in VARIANTS] + [(v, GPU_MODE_SCENARIOS[name], LayeredKV)
+                                                   for v, name in GPU_MODE_VARIANTS.items()]
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.__name__)
-def test_variant_is_caught(variant, record_property):
+@pytest.mark.parametrize("variant, scenario, kv", CASES, ids=[v.__name__ for v, _s, _k in CASES])
+def test_variant_is_caught(variant, scenario, kv, record_property):
     start = time.perf_counter()
     with pytest.raises(Exception) as caught:
-        run_conformance(variant, HUNT, level="exact", kv_factory=TensorKV)
+        run_conformance(variant, scenario, level="exact", kv_factory=kv)
     seconds = time.perf_counter() - start
     rules = getattr(caught.value, "kvoffload_rules_run", None)
     record_property("time_to_failure_s", round(seconds, 2))
     record_property("shrunk_rules", rules)
-    print(f"{variant.__name__}: caught in {seconds:.1f}s, shrunk program {rules} rules: "
+    print(f"{variant.__name__} [{scenario}]: caught in {seconds:.1f}s, shrunk program {rules} rules: "
           f"{str(caught.value).splitlines()[0]}")
     assert rules is not None, "the failure must come from the conformance machine"

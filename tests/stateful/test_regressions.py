@@ -124,3 +124,73 @@ def test_a_whole_prompt_hit_recomputes_the_last_token():
     assert (scheduled[0].num_computed_tokens, scheduled[0].num_scheduled_tokens) == (3, 1)  # the last one recomputed
     assert again.num_output_tokens == 2 and not world.requests
     world.drain()
+
+
+# ---- found while the world learned the GPU engine modes (spec 0.3) -------------------------------------------------
+def test_a_request_preempted_then_aborted_still_has_its_stores_flushed():
+    """Found in a 2-worker async scenario: a weight update preempted a request with a store in flight and the
+    request was aborted before the next step. The world had dropped it from the next step's preempted ids, so no
+    worker flushed the store and it read blocks the pool had already handed out (SRC). vLLM reports such a request
+    as preempted *and* finished; connectors must accept a preempted id they already forgot."""
+    from kvoffload.impl import LayeredKV, OffloadConnector
+    from kvoffload.spec.kit import make_machine
+
+    from .scenarios import GPU_MODE_SCENARIOS
+
+    scenario = GPU_MODE_SCENARIOS["k1-tp2-delayed-failures-no-prefix-cache"]
+    state = make_machine(OffloadConnector, scenario, "exact", LayeredKV)()
+    state.add_requests(batch=[([0, 0], 3)])
+    state.step(n=1)
+    assert any(state.subject.in_flight())  # a store is in flight...
+    state.reset_prefix_cache(reset_connector=True)  # ...when the request is preempted
+    state.abort(i=0)
+    assert "r0" in state.subject.preempted_since_step and "r0" in state.subject.finished_since_step
+    state.step(n=1)  # both reported: the workers flush the store before the pool's blocks are written again
+    assert all(job.executed for job in state.subject.in_flight())
+    state.invariants_hold()
+    state.teardown()
+
+
+def test_async_delivery_hands_over_only_the_tokens_of_the_delivered_step():
+    """Found in an async + draft scenario: delivering step N's output made *every* sampled token visible, step
+    N+1's too, so placeholders went negative and the request was never scheduled again (LIVENESS)."""
+    config = Config(async_scheduling=True, num_spec_tokens=3)
+    world = World(config, SpecConnector(config), ListKV(16), Executor(delay=1), observable=True)
+    req = world.add_request([0], max_tokens=7)
+    for _ in range(12):
+        world.step()
+        world.check()
+        assert req.num_placeholders >= 0 and req.num_tokens <= len(req.tokens)
+    assert req.num_output_tokens == 7 and not world.requests
+    assert world.stats["rejected_drafts"] > 0
+
+
+def test_the_cursor_of_a_request_preempted_by_a_weight_update_is_judged_next_step():
+    """Found at once when weight updates arrived: they preempt between steps, and the connector hears of the
+    preemption in the next step's output, so until then its cursor may pass the request's computed blocks."""
+    from kvoffload.spec.kit import make_machine
+
+    state = make_machine(SpecConnector, level="invariants")()
+    state.add_requests(batch=[([0, 0], 2)])
+    state.step(n=1)
+    state.reset_prefix_cache(reset_connector=True)
+    state.invariants_hold()
+    state.step(n=1)
+    state.invariants_hold()
+    state.teardown()
+
+
+def test_liveness_is_only_judged_where_the_engine_cannot_stall_by_itself():
+    """Found when LIVENESS arrived: two waiting requests that each hold loaded blocks, with the pool empty, wait for
+    each other forever, in vLLM as in the world (waiting requests are never preempted). That is the engine's
+    deadlock, not the connector's: liveness is checked only when the live requests fit the pool together."""
+    config = Config()
+    world = World(config, SpecConnector(config), ListKV(16), Executor(), observable=True)
+    long_prompt = [1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0]
+    for prompt, max_tokens in [([0], 1), (long_prompt, 4), ([0, 1, 0, 1, 2, 2, 0, 0, 0, 0, 0], 3), (long_prompt, 4)]:
+        world.add_request(prompt, max_tokens)
+    assert not world.fits()
+    for _ in range(30):
+        world.step()
+    stuck = [r for r in world.requests.values() if r.blocks and r.state.value == "waiting"]
+    assert len(stuck) == 2 and sum(len(r.blocks) for r in stuck) == config.num_gpu_blocks  # the engine's deadlock

@@ -38,7 +38,7 @@ def test_wheel_installs_and_runs_the_kit_without_torch(tmp_path):
 
     project = tmp_path / "project"
     project.mkdir()
-    fifo, _broken, conftest, test = examples()
+    fifo, _broken, _gpu_modes, conftest, test = examples()
     (project / "my_connectors.py").write_text(without_the_run(fifo))
     (project / "conftest.py").write_text(conftest)
     (project / "test_conformance.py").write_text(test)
