@@ -4,6 +4,10 @@ It is fed exactly the calls the production connector gets. After every call it r
 same observable state (tracked tables, cursors, tier, transfers), and after every batch it requires both tracked
 tables to equal the engine's own block tables. A divergence is reported once, with the step, the request and both
 views; the engine keeps running on the production connector either way.
+
+One empty engine table is vLLM's own behaviour, not a divergence: after a failed load under
+``kv_load_failure_policy="recompute"``, vLLM frees the request's blocks without telling the connector
+(``_update_waiting_for_remote_kv``) and allocates afresh at its next admission, which resets the tracked table.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class ShadowMonitor:
         self.engine_tables = engine_tables  # request id -> the engine's block table (None: no blocks)
         self.steps = self.checks = 0
         self.divergences: list[str] = []
+        self.load_failed: set[str] = set()  # requests whose load failed, not allocated since: vLLM may free them
 
     def verdict(self) -> str:
         if self.divergences:
@@ -64,6 +69,7 @@ class ShadowMonitor:
                    self.spec.get_num_new_matched_tokens(request, num_computed_tokens))
 
     def alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        self.load_failed.discard(request.req_id)
         self.spec.update_state_after_alloc(request, block_ids, num_external_tokens)
         self._same_state(f"update_state_after_alloc of {request.req_id}")
 
@@ -74,13 +80,24 @@ class ShadowMonitor:
         for req_id, table in self.production.observe().tracked.items():
             engine = self.engine_tables(req_id)
             self.checks += 1
+            if not engine and req_id in self.load_failed:
+                continue  # freed by vLLM after the failed load; the next allocation brings a new table
             if table and engine is not None and list(table) != list(engine):
                 self._diverged(f"request {req_id}: engine block table {list(engine)}, connector {list(table)}")
 
     def results(self, output: WorkerOutput) -> None:
+        for job_id, ok in output.job_results:
+            job = self.spec.jobs.get(job_id)
+            if not ok and job is not None and job.kind == "load":
+                self.load_failed.add(job.req_id)
         self.spec.update_connector_output(output)
         self._same_state("update_connector_output")
 
+    def reset(self, done: bool) -> None:
+        self._same("reset_cache", done, self.spec.reset_cache())
+        self._same_state("reset_cache")
+
     def finished(self, request: Any, delayed: bool) -> None:
+        self.load_failed.discard(request.req_id)
         if request.req_id in self.spec.requests:
             self._same(f"request_finished of {request.req_id}", delayed, self.spec.request_finished(request, []))

@@ -26,7 +26,7 @@ from typing import Any, Callable, Hashable, Iterator, NamedTuple, Protocol
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
@@ -40,10 +40,10 @@ from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request as VllmRequest  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvoffload.spec.config import Config  # noqa: E402
+from kvoffload.spec.config import Config, registered  # noqa: E402
 from kvoffload.spec.invariants import Violation  # noqa: E402
-from kvoffload.spec.types import (FENCED_FREES, REFUSE_STORE, TRANSFER_FAILURES, Copy, Event, Job,  # noqa: E402
-                                  SchedulerOutput, WorkerOutput)
+from kvoffload.spec.types import (FENCED_FREES, REFUSE_STORE, RESET, TRANSFER_FAILURES, Copy, Event, Job,  # noqa: E402
+                                  SchedulerOutput, TransferKind, WorkerOutput)
 from kvoffload.spec.world import GARBAGE, Executor, ListKV, Request, State  # noqa: E402
 
 from .vllm_harness import LAYERS, make_configs  # noqa: E402
@@ -125,8 +125,10 @@ class BlackBox:
     def __init__(self, config: Config, connector: Any, transfers: Transfers,
                  refuse: Callable[[], None] | None = None) -> None:
         self.config, self.connector, self.reader = config, connector, transfers
+        resets = type(connector).reset_cache is not KVConnectorBase_V1.reset_cache  # the base class does nothing
         self.capabilities = frozenset({name for name, on in ((FENCED_FREES, transfers.fenced), (REFUSE_STORE, refuse),
-                                                             (TRANSFER_FAILURES, transfers.failures)) if on})
+                                                             (TRANSFER_FAILURES, transfers.failures), (RESET, resets))
+                                       if on})
         if refuse:
             self.refuse_next_store = refuse
         init_none_hash(sha256)
@@ -138,8 +140,9 @@ class BlackBox:
         self.in_flight: dict[int, Transfer] = {}  # submitted, not polled
         self.tier: dict[Hashable, int] = {}  # tier slot -> content
         self.load_errors: set[int] = set()
-        self.kv: ListKV | None = None
-        self.executor: Executor | None = None
+        self._kv: ListKV | None = None
+        self._executor: Executor | None = None
+        self.local_and_tier_hits = 0  # admissions that took a GPU prefix hit and a tier hit on top of it
 
     # ---- world -> vLLM ---------------------------------------------------------------------------------------
     def _vllm(self, req: Request) -> VllmRequest:
@@ -150,7 +153,7 @@ class BlackBox:
             self.seen[req.req_id] = (req, vreq)
             self.connector.on_new_request(vreq)
         vreq = self.seen[req.req_id][1]
-        for token in req.tokens[vreq.num_tokens:]:
+        for token in req.tokens[vreq.num_tokens:req.num_tokens]:  # the tokens the engine has seen
             vreq.append_output_token_ids(token)
         vreq.num_computed_tokens = req.num_computed_tokens
         return vreq
@@ -173,7 +176,7 @@ class BlackBox:
             self._vllm(req)
             vreq.num_computed_tokens, vreq.status = s.num_computed_tokens, RequestStatus.RUNNING
             if s.kind == "new":
-                new.append(NewRequestData.from_request(vreq, self._ids(s.block_ids)))
+                new.append(NewRequestData.from_request(vreq, ([b + NULL_BLOCKS for b in s.block_ids or ()],)))
                 continue
             cached.req_ids.append(s.req_id)
             if s.kind == "resumed":
@@ -184,7 +187,8 @@ class BlackBox:
             cached.num_output_tokens.append(vreq.num_output_tokens)
         for req_id in out.preempted_req_ids:
             vreq = self.seen[req_id][1]
-            vreq.status, vreq.num_computed_tokens = RequestStatus.PREEMPTED, 0
+            if not vreq.is_finished():  # preempted, then finished before this step: it stays finished
+                vreq.status, vreq.num_computed_tokens = RequestStatus.PREEMPTED, 0
         return VllmSchedulerOutput(
             scheduled_new_reqs=new, scheduled_cached_reqs=cached,
             num_scheduled_tokens={s.req_id: s.num_scheduled_tokens for s in out.scheduled},
@@ -199,6 +203,7 @@ class BlackBox:
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         vreq = self._vllm(request)
+        self.local_and_tier_hits += bool(num_external_tokens and request.num_computed_tokens)
         self.connector.update_state_after_alloc(vreq, self._blocks(request, block_ids), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
@@ -244,13 +249,24 @@ class BlackBox:
             self.delayed.add(request.req_id)
         return delay
 
+    def reset_cache(self) -> bool:
+        return self.connector.reset_cache() is not False  # vLLM treats None as done
+
     def take_events(self) -> list[Event]:
         list(self.connector.take_events())  # its keys are vLLM's hashes: drained, not compared
         return []
 
     # ---- the played worker side --------------------------------------------------------------------------------
     def register_kv_caches(self, kv: ListKV, executor: Executor) -> None:
-        self.kv, self.executor = kv, executor
+        self._kv, self._executor = kv, executor
+
+    @property
+    def kv(self) -> ListKV:
+        return registered(self._kv, "kv")
+
+    @property
+    def executor(self) -> Executor:
+        return registered(self._executor, "executor")
 
     def handle_preemptions(self, req_ids: frozenset[str]) -> None:
         flush = self.reader.flushes(self.metadata, self.in_flight)
@@ -263,7 +279,7 @@ class BlackBox:
     def wait_for_save(self, metadata: Any) -> None:
         self._submit("store")
 
-    def _submit(self, kind: str, only: set[int] | None = None) -> None:
+    def _submit(self, kind: TransferKind, only: set[int] | None = None) -> None:
         for job_id, (t, copies) in list(self.pending.items()):
             if t.kind != kind or (only is not None and job_id not in only):
                 continue
@@ -303,6 +319,7 @@ def _create(config: Config, name: str, module: str | None, extra: Callable[[int]
     vllm_config, kv_cache_config = make_configs(model, config.num_gpu_blocks + NULL_BLOCKS, name, module, {},
                                                 block_size=config.block_size)
     block_bytes = kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes * len(LAYERS)
+    assert vllm_config.kv_transfer_config is not None  # make_configs always names the connector
     vllm_config.kv_transfer_config.kv_connector_extra_config.update(extra(block_bytes))
     return KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
@@ -316,7 +333,8 @@ def vllm_offloading_connector(config: Config) -> BlackBox:
         "cpu_bytes_to_use": -(-block_bytes * config.k // align) * align * config.tier_blocks,
         "eviction_policy": config.policy, "block_size": config.offload_block_size})
     manager = connector.scheduler.manager
-    prepare_store, refusing = manager.prepare_store, []
+    prepare_store = manager.prepare_store
+    refusing: list[bool] = []
 
     def prepare_or_refuse(*args: Any, **kwargs: Any) -> Any:
         return None if refusing and refusing.pop() else prepare_store(*args, **kwargs)

@@ -14,14 +14,14 @@ vLLM's objects into the neutral types of ``kvoffload.spec.types`` and back; all 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole, KVConnectorWorkerMetadata)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 from kvoffload.spec.config import Config, ConfigError
 from kvoffload.spec.types import ScheduledRequest, SchedulerOutput, TransferPlan, WorkerOutput
@@ -49,6 +49,8 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     moved: dict[str, float] = field(default_factory=dict)  # bytes_stored, bytes_loaded, store_seconds, ...
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """vLLM's ``KVOutputAggregator`` merges the workers' metadata with this. Every worker reports every job,
+        so a job id appears once per worker; the scheduler side counts the reports (``Config.num_workers``)."""
         assert isinstance(other, KVOffloadWorkerMetadata)
         moved = {k: self.moved.get(k, 0) + other.moved.get(k, 0) for k in {*self.moved, *other.moved}}
         return KVOffloadWorkerMetadata(self.job_results + other.job_results, moved)
@@ -90,17 +92,19 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         labels = self.per_engine_labelvalues[engine_idx]
         for name, value in transfer_stats_data.items():
             if name in self.counters and value:
-                self.counters[name].labels(*labels).inc(value)
+                cast(Any, self.counters[name]).labels(*labels).inc(value)  # vLLM's Counter class: it has inc()
 
 
 class RequestView:
     """What the connector reads from a vLLM ``Request``. ``num_computed_tokens`` is the local prefix hit the
-    scheduler offered at lookup: vLLM updates the request's own count only after ``update_state_after_alloc``."""
+    scheduler offered at lookup: vLLM updates the request's own count only after ``update_state_after_alloc``.
+    ``uncommitted_hit`` is that hit until an allocation commits it: an admission whose allocation fails is looked
+    up again next step, and only the admission that gets its blocks reuses the tokens."""
 
-    __slots__ = ("request", "num_computed_tokens")
+    __slots__ = ("request", "num_computed_tokens", "uncommitted_hit")
 
     def __init__(self, request: Any) -> None:
-        self.request, self.num_computed_tokens = request, 0
+        self.request, self.num_computed_tokens, self.uncommitted_hit = request, 0, 0
 
     @property
     def req_id(self) -> str:
@@ -122,7 +126,8 @@ class CacheTensors:
 
 
 def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
-    """Our Config from vLLM's: one clear ConfigError for anything we cannot run with."""
+    """Our Config from vLLM's: one clear ConfigError for anything we cannot run with. Every worker of the world
+    (tensor x pipeline parallel) runs our worker side and reports every transfer: ``num_workers``."""
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     unknown = set(extra) - EXTRA_KEYS
     if unknown:
@@ -137,7 +142,7 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
     tier_blocks = tier_bytes // (block_bytes * max(offload // block_size, 1))
     return Config(num_gpu_blocks=kv_cache_config.num_blocks, block_size=block_size, offload_block_size=offload,
                   tier_blocks=tier_blocks, token_budget=vllm_config.scheduler_config.max_num_batched_tokens,
-                  policy=extra.get("policy", "lru"))
+                  policy=extra.get("policy", "lru"), num_workers=vllm_config.parallel_config.world_size)
 
 
 def neutral_output(so: Any) -> SchedulerOutput:
@@ -167,7 +172,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
         self.logged = dict.fromkeys(COUNTERS, 0)  # counters at the last get_kv_connector_stats
         self.views: dict[str, RequestView] = {}
         self.job_results: list[tuple[int, bool]] = []
-        self.moved = dict.fromkeys((*MOVED, "engine_hit_tokens"), 0)  # scheduler side: workers' totals, GPU hits
+        # scheduler side: what the workers moved (totals), and GPU prefix hits the engine admitted
+        self.moved: dict[str, float] = dict.fromkeys((*MOVED, "engine_hit_tokens"), 0)
         self.reported = dict.fromkeys(MOVED, 0.0)  # worker side: totals already sent
 
     # ---- scheduler side ----
@@ -191,8 +197,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         view = self._view(request)
-        view.num_computed_tokens = num_computed_tokens
-        self.moved["engine_hit_tokens"] += num_computed_tokens
+        view.num_computed_tokens = view.uncommitted_hit = num_computed_tokens
         answer = self.offload.get_num_new_matched_tokens(view, num_computed_tokens)
         if self.shadow:
             self.shadow.lookup(view, num_computed_tokens, answer)
@@ -200,6 +205,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         block_ids, view = list(blocks.get_block_ids()[0]), self._view(request)
+        self.moved["engine_hit_tokens"] += view.uncommitted_hit  # this admission got its blocks: the hit is used
+        view.uncommitted_hit = 0
         self.offload.update_state_after_alloc(view, block_ids, num_external_tokens)
         if self.shadow:
             self.shadow.alloc(view, block_ids, num_external_tokens)
@@ -221,6 +228,19 @@ class KVOffloadConnector(KVConnectorBase_V1):
         self.offload.update_connector_output(output)
         if self.shadow:
             self.shadow.results(output)
+
+    def reset_cache(self) -> bool:
+        """vLLM's cache reset (``reset_prefix_cache(reset_connector=True)``, after a weight update): the tier's
+        entries hold KV computed with the old weights, so none may be loaded again."""
+        done = self.offload.reset_cache()
+        if self.shadow:
+            self.shadow.reset(done)
+        return done
+
+    def get_finished_count(self) -> int:
+        """Every worker reports every request's finished transfers: vLLM's aggregator waits for all of them,
+        as our scheduler side waits for every worker's report of a job."""
+        return self.config.num_workers
 
     def stats(self) -> dict[str, Any]:
         """Scheduler-side counters plus what the workers moved."""
@@ -256,7 +276,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         for event in self.offload.take_events():
-            hashes = [maybe_convert_block_hash(key) for key in event.keys]
+            hashes = [maybe_convert_block_hash(cast(BlockHash, key)) for key in event.keys]  # keys are vLLM's hashes
             if event.kind == "stored":
                 yield BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
                                   block_size=self.config.offload_block_size, lora_id=None, medium=event.medium,
@@ -276,11 +296,17 @@ class KVOffloadConnector(KVConnectorBase_V1):
                               f"with {self.config.num_gpu_blocks} blocks")
         self.offload.register_kv_caches(CacheTensors(dict(kv_caches), layout))
 
-    def handle_preemptions(self, kv_connector_metadata: KVOffloadMetadata) -> None:
+    def _metadata(self) -> KVOffloadMetadata:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVOffloadMetadata), f"foreign connector metadata {type(metadata).__name__}"
+        return metadata
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVOffloadMetadata)
         self.offload.handle_preemptions(kv_connector_metadata.preempted)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.offload.start_load_kv(self._get_connector_metadata().plan)
+        self.offload.start_load_kv(self._metadata().plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # loads are asynchronous: requests wait for them, layers never do
@@ -289,7 +315,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
         pass  # whole blocks are stored after the forward pass, in wait_for_save
 
     def wait_for_save(self) -> None:
-        self.offload.wait_for_save(self._get_connector_metadata().plan)
+        self.offload.wait_for_save(self._metadata().plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         output = self.offload.get_finished(frozenset(finished_req_ids))

@@ -1,11 +1,17 @@
-"""A real vLLM Scheduler without a model: for driving connectors in tests and benchmarks (vLLM 0.32)."""
+"""A real vLLM Scheduler without a model: for driving connectors in tests and benchmarks (vLLM 0.32).
+
+It can be built the way vLLM runs on GPUs (DESIGN 6.1): the ``AsyncScheduler`` of async scheduling, ngram
+speculative decoding, and a tensor-parallel world size (the scheduler side only reads it; the worker sides are the
+caller's)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                         SpeculativeConfig, VllmConfig)
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.structured_output import StructuredOutputManager
@@ -15,15 +21,20 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 
 def make_configs(model: Path, num_blocks: int, connector: str, module: str | None, extra: dict,
-                 block_size: int = BLOCK_SIZE, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 256) -> tuple[VllmConfig, KVCacheConfig]:
+                 block_size: int = BLOCK_SIZE, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
+                 num_spec_tokens: int = 0, world_size: int = 1) -> tuple[VllmConfig, KVCacheConfig]:
     """The configs vLLM's engine would build for ``model`` (a config directory is enough): a KV cache of
-    ``num_blocks`` blocks of ``block_size`` tokens over two layers, and the named connector."""
+    ``num_blocks`` blocks of ``block_size`` tokens over two layers, and the named connector. ``num_spec_tokens``
+    turns on ngram speculative decoding (no draft model needed); ``world_size`` is the tensor-parallel size."""
+    speculative = (SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens, prompt_lookup_max=3,
+                                     prompt_lookup_min=2) if num_spec_tokens else None)
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=1024),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                          max_model_len=1024, is_encoder_decoder=False),
+        parallel_config=ParallelConfig(tensor_parallel_size=world_size),
+        speculative_config=speculative,
         kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role="kv_both",
                                             kv_connector_module_path=module, kv_connector_extra_config=extra,
                                             kv_load_failure_policy="recompute"),
@@ -39,10 +50,15 @@ def make_configs(model: Path, num_blocks: int, connector: str, module: str | Non
 
 
 def make_scheduler(model: Path, num_blocks: int, connector: str, module: str | None, extra: dict,
-                   max_num_seqs: int = 16, max_num_batched_tokens: int = 256) -> Scheduler:
-    """vLLM's real Scheduler over the configs of ``make_configs``, with the named connector on its scheduler side."""
+                   max_num_seqs: int = 16, max_num_batched_tokens: int = 256, async_scheduling: bool = False,
+                   num_spec_tokens: int = 0, world_size: int = 1, log_stats: bool = False) -> Scheduler:
+    """vLLM's real Scheduler (``AsyncScheduler`` with ``async_scheduling``) over the configs of ``make_configs``,
+    with the named connector on its scheduler side. ``log_stats`` keeps vLLM's own prefix-cache statistics."""
     vllm_config, kv_cache_config = make_configs(model, num_blocks, connector, module, extra,
                                                 max_num_seqs=max_num_seqs,
-                                                max_num_batched_tokens=max_num_batched_tokens)
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                     structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK_SIZE)
+                                                max_num_batched_tokens=max_num_batched_tokens,
+                                                num_spec_tokens=num_spec_tokens, world_size=world_size)
+    scheduler_class = AsyncScheduler if async_scheduling else Scheduler
+    return scheduler_class(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                           structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK_SIZE,
+                           log_stats=log_stats)

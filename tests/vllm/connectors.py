@@ -89,7 +89,30 @@ class _ReportsFailures(OffloadingTransfers):
     failures = True
 
 
+class OneResetBetweenSteps(BlackBox):
+    """vLLM's OffloadingConnector asserts when it is reset twice with no engine step in between (known divergence
+    'reset-twice-between-steps'). A caller that resets at most once between steps, so every other check runs."""
+
+    reset_since_step = False
+
+    def build_connector_meta(self, scheduler_output):
+        self.reset_since_step = False
+        return super().build_connector_meta(scheduler_output)
+
+    def reset_cache(self) -> bool:
+        if not self.reset_since_step:
+            self.reset_since_step = True
+            return super().reset_cache()
+        return True
+
+
+def vllm_offloading(config):
+    """vLLM's OffloadingConnector in black-box mode, short of its known divergences."""
+    box = vllm_offloading_connector(config)
+    return OneResetBetweenSteps(config, box.connector, box.reader, refuse=box.refuse_next_store)
+
+
 def vllm_offloading_with_failures(config):
     """vLLM's OffloadingConnector in black-box mode, with transfer failures injected (known divergence)."""
     box = vllm_offloading_connector(config)
-    return BlackBox(config, box.connector, _ReportsFailures(config.k), refuse=box.refuse_next_store)
+    return OneResetBetweenSteps(config, box.connector, _ReportsFailures(config.k), refuse=box.refuse_next_store)
