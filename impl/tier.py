@@ -1,14 +1,14 @@
 """The production CPU tier: slot arrays, O(1) lookups, eviction work proportional to the victims.
 
-Which entries to evict is the eviction policy's decision; the policies are the spec's own (``kvoffload.spec.tier``
-LRU and ARC, whose victim search stops as soon as it has enough), so the tier here only adds what production
-needs: host slots, counters, events.
+Which entries to evict is the eviction policy's decision (``policies``: LRU and ARC, whose victim search stops as
+soon as it has enough); the tier adds host slots, counters, events.
 """
 
 from __future__ import annotations
 
-from kvoffload.spec.tier import POLICIES
 from kvoffload.spec.types import Event, Key
+
+from .policies import POLICIES
 
 
 class OffloadTier:
@@ -56,17 +56,13 @@ class OffloadTier:
         victims: list[Key] | None = []
         if short > 0:
             protected = set(keys)
-            victims = self.policy.victims(short, lambda k: k not in protected and self._evictable(k))
+            victims = self.policy.victims(short, lambda k: k not in protected and self._evictable(k), new)
         if new and (self.refuse_next or victims is None):
             self.refuse_next = False
             self.refusals += 1
             return None
-        if victims:
-            for key in victims:
-                self.free.append(self.slot_of.pop(key))
-                self.policy.evict(key)
-            self.evictions += len(victims)
-            self.events.append(Event("removed", tuple(victims)))
+        for key in victims or ():
+            self.free.append(self.slot_of.pop(key))
         for key in keys:
             if key in self.slot_of:
                 self.policy.touch(key)
@@ -74,6 +70,11 @@ class OffloadTier:
                 slot = self.slot_of[key] = self.free.pop()
                 self.ready[slot] = self.stale[slot] = 0
                 self.policy.insert(key)
+        if victims:
+            for key in victims:  # after the inserts: ARC's target follows the ghosts as they were
+                self.policy.evict(key)
+            self.evictions += len(victims)
+            self.events.append(Event("removed", tuple(victims)))
         return {key: self.slot_of[key] for key in new}
 
     def complete_store(self, keys: list[Key], success: bool) -> None:

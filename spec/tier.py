@@ -43,7 +43,7 @@ class LRU:
     def remove(self, key: Key) -> None:
         del self.order[key]
 
-    def victims(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
+    def victims(self, n: int, evictable: Callable[[Key], bool], incoming: list[Key]) -> list[Key] | None:
         found = list(islice((key for key in self.order if evictable(key)), n))
         return found if len(found) == n else None
 
@@ -52,15 +52,21 @@ class LRU:
     def keys(self) -> list[Key]:
         return list(self.order)
 
-    def state(self) -> tuple[()]:
+    def state(self) -> tuple[object, ...]:
         return ()
 
 
 @define
 class ARC:
-    """Adaptive Replacement Cache (Megiddo & Modha): t1 holds keys used once, t2 keys used again; b1/b2 remember
-    keys evicted from each. A new key that was evicted from t1 (found in b1) says t1 is too small: the target size
-    ``p`` of t1 grows; one found in b2 shrinks it. Eviction takes from t1 while t1 is above target, else from t2."""
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003, figure 4). ``t1`` holds keys used once since they
+    entered, ``t2`` keys used again; ``b1``/``b2`` remember keys evicted from each (ghosts). A key that comes back
+    from ``b1`` says ``t1`` was too small: its target size ``p`` grows; one from ``b2`` shrinks it. REPLACE evicts
+    from ``t1`` while it is above target, else from ``t2``. The ghost lists are bounded: |t1|+|b1| <= c and
+    |t1|+|t2|+|b1|+|b2| <= 2c.
+
+    Where a tier is not a page cache: entries are evicted only when a store needs room (not on every miss), only
+    ready, unpinned ones (REPLACE falls back to the other list when its list has none), and an entry can also leave
+    without eviction (a failed store, a stale one): it leaves no ghost."""
 
     capacity: int
     t1: dict[Key, None] = field(factory=dict)
@@ -69,29 +75,47 @@ class ARC:
     b2: dict[Key, None] = field(factory=dict)
     p: int = 0
 
-    def insert(self, key: Key) -> None:
+    def target(self, key: Key) -> int:
+        """``p`` once ``key`` enters: a ``b1`` ghost grows it, a ``b2`` ghost shrinks it (cases II and III; the
+        paper's ratios rounded down)."""
         if key in self.b1:
-            self.p = min(self.capacity, self.p + max(1, len(self.b2) // len(self.b1)))
-            del self.b1[key]
-        elif key in self.b2:
-            self.p = max(0, self.p - max(1, len(self.b1) // len(self.b2)))
-            del self.b2[key]
-        self.t1[key] = None
+            return min(self.capacity, self.p + max(len(self.b2) // len(self.b1), 1))
+        if key in self.b2:
+            return max(0, self.p - max(len(self.b1) // len(self.b2), 1))
+        return self.p
+
+    def insert(self, key: Key) -> None:
+        """A miss: the key enters; a ghost goes to ``t2`` (cases II and III), a new key to ``t1`` (case IV)."""
+        self.p = self.target(key)
+        if key in self.b1 or key in self.b2:
+            self.b1.pop(key, None)
+            self.b2.pop(key, None)
+            self.t2[key] = None
+        else:
+            self.t1[key] = None
+        if len(self.t1) + len(self.t2) <= self.capacity:  # else the tier evicts next, and bounds them then
+            self._bound_ghosts()
 
     def touch(self, key: Key) -> None:
+        """A hit (case I): most recently used in ``t2``."""
         (self.t1 if key in self.t1 else self.t2).pop(key)
         self.t2[key] = None
 
     def remove(self, key: Key) -> None:
         (self.t1 if key in self.t1 else self.t2).pop(key)
 
-    def victims(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
+    def victims(self, n: int, evictable: Callable[[Key], bool], incoming: list[Key]) -> list[Key] | None:
+        """REPLACE, ``n`` times, with the target the incoming key sets: from ``t1`` if it is above target (or at
+        target and the incoming key is a ``b2`` ghost), else from ``t2``; the least recently used evictable key of
+        that list, or else of the other."""
         from_t1: Iterator[Key] = (k for k in self.t1 if evictable(k))
         from_t2: Iterator[Key] = (k for k in self.t2 if evictable(k))
-        t1_size = len(self.t1)
-        found: list[Key] = []
+        t1_size, found = len(self.t1), list[Key]()
+        p = self.target(incoming[0]) if incoming else self.p
+        returning_from_b2 = bool(incoming) and incoming[0] in self.b2
         while len(found) < n:
-            first, second = (from_t1, from_t2) if t1_size > self.p else (from_t2, from_t1)
+            use_t1 = t1_size > p or (t1_size == p and returning_from_b2)
+            first, second = (from_t1, from_t2) if use_t1 else (from_t2, from_t1)
             key = next(first, None)
             if key is None:
                 key = next(second, None)
@@ -105,13 +129,18 @@ class ARC:
         resident, ghosts = (self.t1, self.b1) if key in self.t1 else (self.t2, self.b2)
         del resident[key]
         ghosts[key] = None
-        if len(ghosts) > self.capacity:
-            del ghosts[next(iter(ghosts))]
+        self._bound_ghosts()
+
+    def _bound_ghosts(self) -> None:
+        while len(self.t1) + len(self.b1) > self.capacity and self.b1:
+            del self.b1[next(iter(self.b1))]
+        while len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * self.capacity and self.b2:
+            del self.b2[next(iter(self.b2))]
 
     def keys(self) -> list[Key]:
         return [*self.t1, *self.t2]
 
-    def state(self) -> tuple[int, tuple[Key, ...], tuple[Key, ...], tuple[Key, ...]]:
+    def state(self) -> tuple[object, ...]:
         return self.p, tuple(self.t1), tuple(self.b1), tuple(self.b2)
 
 
@@ -168,21 +197,22 @@ class Tier:
         fresh = [k for k in keys if k not in self.entries]
         short = max(len(self.entries) + len(fresh) - self.capacity, 0)
         victims = self.policy.victims(short, lambda k: self.entries[k].ready and not self.entries[k].refs
-                                      and k not in keys)
+                                      and k not in keys, fresh)
         if fresh and (self.refuse_next or victims is None):
             self.refuse_next = False
             return None
         for key in victims or ():
             del self.entries[key]
-            self.policy.evict(key)
-        if victims:
-            self.events.append(Event("removed", tuple(victims)))
         for key in keys:
             if key in self.entries:
                 self.policy.touch(key)
             else:
                 self.entries[key] = Entry()
                 self.policy.insert(key)
+        for key in victims or ():  # after the inserts: ARC adapts its target to the ghosts as they were (case II)
+            self.policy.evict(key)
+        if victims:
+            self.events.append(Event("removed", tuple(victims)))
         return fresh
 
     def complete_store(self, keys: list[Key], ok: bool) -> None:
