@@ -14,7 +14,7 @@ vLLM's objects into the neutral types of ``kvoffload.spec.types`` and back; all 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, cast
+from typing import Any, Callable, Iterable, cast
 
 import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
@@ -29,7 +29,19 @@ from kvoffload.spec.types import ScheduledRequest, SchedulerOutput, TransferPlan
 from .connector import OffloadConnector
 from .shadow import ShadowMonitor
 
-EXTRA_KEYS = {"tier_bytes", "offload_block_size", "policy", "verify"}
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+# kv_connector_extra_config: key -> (check, what it must be). Defaults are in config_from_vllm.
+EXTRA: dict[str, tuple[Callable[[object], bool], str]] = {
+    "tier_bytes": (_positive_int, "a positive int of bytes (e.g. 8 << 30)"),
+    "offload_block_size": (_positive_int, "a positive int of tokens"),
+    "policy": (lambda v: isinstance(v, str) and v in ("lru", "arc"), "'lru' or 'arc'"),
+    "verify": (lambda v: isinstance(v, bool), "a bool"),
+}
+EXTRA_KEYS = set(EXTRA)
 MOVED = ("bytes_stored", "bytes_loaded", "store_seconds", "load_seconds")
 COUNTERS = ("lookups", "hit_tokens", "engine_hit_tokens", "stored_blocks", "loaded_blocks", "failed_stores",
             "failed_loads", "alloc_failures", "evictions", *MOVED)
@@ -132,16 +144,27 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
     unknown = set(extra) - EXTRA_KEYS
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(EXTRA_KEYS)}")
+    for key, value in extra.items():
+        check, expected = EXTRA[key]
+        if not check(value):
+            raise ConfigError(f"kv_connector_extra_config {key}={value!r}: expected {expected}")
     if len(kv_cache_config.kv_cache_groups) != 1:
         raise ConfigError("KVOffloadConnector supports models with one KV cache group (full attention) only")
     group = kv_cache_config.kv_cache_groups[0]
     block_size = group.kv_cache_spec.block_size
-    offload = int(extra.get("offload_block_size", block_size))
-    block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-    tier_bytes = int(extra.get("tier_bytes", 1 << 30))
-    tier_blocks = tier_bytes // (block_bytes * max(offload // block_size, 1))
+    offload = extra.get("offload_block_size", block_size)
+    if offload % block_size:
+        raise ConfigError(f"offload_block_size={offload} tokens is not a multiple of the engine's block size "
+                          f"({block_size} tokens)")
+    layers = len(group.layer_names)
+    offload_bytes = group.kv_cache_spec.page_size_bytes * layers * (offload // block_size)
+    tier_bytes = extra.get("tier_bytes", 1 << 30)
+    if tier_bytes < offload_bytes:
+        raise ConfigError(f"tier_bytes={tier_bytes} holds no offload block: one offload block of {offload} tokens "
+                          f"is {offload_bytes} bytes over {layers} layers; use at least {offload_bytes}")
     return Config(num_gpu_blocks=kv_cache_config.num_blocks, block_size=block_size, offload_block_size=offload,
-                  tier_blocks=tier_blocks, token_budget=vllm_config.scheduler_config.max_num_batched_tokens,
+                  tier_blocks=tier_bytes // offload_bytes,
+                  token_budget=vllm_config.scheduler_config.max_num_batched_tokens,
                   policy=extra.get("policy", "lru"), num_workers=vllm_config.parallel_config.world_size)
 
 

