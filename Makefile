@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m kvoffload.impl.vllm_demo
+	$(PY) -m kvoffload.impl.testing.demo
 
 demo-model: $(STAMP)
 	$(PY) -m kvoffload.reference.demo

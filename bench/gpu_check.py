@@ -161,7 +161,7 @@ def bench_memcpy(nbytes: int, device: torch.device, warmup: int, repeats: int) -
 
 
 def make_views(case: str, device: torch.device) -> list:
-    from kvoffload.impl.kv import LayeredKV
+    from kvoffload.impl.testing import LayeredKV
     from kvoffload.impl.transfer import block_views
 
     if case == "frag32k":  # Llama-8B-like: K or V of one layer for one block = 16 * 8 * 128 * 2 bytes = 32 KiB

@@ -24,10 +24,11 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from kvoffload.impl import LayeredKV, OffloadConnector  # noqa: E402
+from kvoffload.impl import OffloadConnector  # noqa: E402
+from kvoffload.impl.testing import LayeredKV  # noqa: E402
 from kvoffload.impl.vllm_connector import KVOffloadWorkerMetadata  # noqa: E402
-from kvoffload.impl.vllm_demo import build_tiny_llama  # noqa: E402
-from kvoffload.impl.vllm_harness import BLOCK_SIZE, make_scheduler  # noqa: E402
+from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
+from kvoffload.impl.testing.harness import BLOCK_SIZE, make_scheduler  # noqa: E402
 from kvoffload.spec.world import Executor  # noqa: E402
 
 TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",

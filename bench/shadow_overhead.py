@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvoffload.impl.vllm_demo import (BLOCK_SIZE, build_tiny_llama, connector_config, make_llm, run_rounds,
+from kvoffload.impl.testing.demo import (BLOCK_SIZE, build_tiny_llama, connector_config, make_llm, run_rounds,
                                       scheduler_connector, workload)
 
 

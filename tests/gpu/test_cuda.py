@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.impl import OffloadConnector, LayeredKV
-from kvoffload.impl.kv import SHAPES
+from kvoffload.impl import OffloadConnector
+from kvoffload.impl.testing import SHAPES, LayeredKV
 from kvoffload.impl.transfer import Copier, CudaStreamExecutor, HostPool
 from kvoffload.spec import Config, ConfigError, Job
 from kvoffload.spec.kit import Scenario, run_conformance

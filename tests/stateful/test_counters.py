@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from kvoffload.impl import LayeredKV, OffloadConnector
+from kvoffload.impl import OffloadConnector
+from kvoffload.impl.testing import LayeredKV
 from kvoffload.spec.kit import run_conformance
 
 from .scenarios import GPU_MODE_SCENARIOS, SCENARIOS

@@ -6,7 +6,8 @@ from functools import partial
 import pytest
 import torch
 
-from kvoffload.impl import OffloadConnector, LayeredKV
+from kvoffload.impl import OffloadConnector
+from kvoffload.impl.testing import LayeredKV
 from kvoffload.reference import ReferenceConnector, TensorKV
 from kvoffload.spec import SpecConnector
 from kvoffload.spec.kit import run_conformance

@@ -4,8 +4,9 @@ import time
 
 import pytest
 
-from kvoffload.impl import LayeredKV
+from kvoffload.impl.testing import LayeredKV
 from kvoffload.reference import TensorKV
+from kvoffload.spec import Violation
 from kvoffload.spec.kit import run_conformance
 
 from .faulty import GPU_MODE_VARIANTS, VARIANTS
@@ -18,10 +19,10 @@ CASES = [(v, HUNT, TensorKV) for v in VARIANTS] + [(v, GPU_MODE_SCENARIOS[name],
 @pytest.mark.parametrize("variant, scenario, kv", CASES, ids=[v.__name__ for v, _s, _k in CASES])
 def test_variant_is_caught(variant, scenario, kv, record_property):
     start = time.perf_counter()
-    with pytest.raises(Exception) as caught:
+    with pytest.raises(Violation) as caught:
         run_conformance(variant, scenario, level="exact", kv_factory=kv)
     seconds = time.perf_counter() - start
-    rules = getattr(caught.value, "kvoffload_rules_run", None)
+    rules = caught.value.rules_run
     record_property("time_to_failure_s", round(seconds, 2))
     record_property("shrunk_rules", rules)
     print(f"{variant.__name__} [{scenario}]: caught in {seconds:.1f}s, shrunk program {rules} rules: "

@@ -77,7 +77,8 @@ def test_impl_load_that_starts_inside_an_offload_block():
 
     import torch
 
-    from kvoffload.impl import OffloadConnector, LayeredKV
+    from kvoffload.impl import OffloadConnector
+    from kvoffload.impl.testing import LayeredKV
     from kvoffload.spec.kit import make_machine
 
     from .scenarios import SCENARIOS
@@ -132,7 +133,8 @@ def test_a_request_preempted_then_aborted_still_has_its_stores_flushed():
     request was aborted before the next step. The world had dropped it from the next step's preempted ids, so no
     worker flushed the store and it read blocks the pool had already handed out (SRC). vLLM reports such a request
     as preempted *and* finished; connectors must accept a preempted id they already forgot."""
-    from kvoffload.impl import LayeredKV, OffloadConnector
+    from kvoffload.impl import OffloadConnector
+    from kvoffload.impl.testing import LayeredKV
     from kvoffload.spec.kit import make_machine
 
     from .scenarios import GPU_MODE_SCENARIOS

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvoffload.impl import OffloadConnector, LayeredKV
+from kvoffload.impl import OffloadConnector
+from kvoffload.impl.testing import LayeredKV
 from kvoffload.impl.scheduler import TransferSpec
 from kvoffload.reference import ReferenceConnector, TensorKV, Transfer
 from kvoffload.spec import (BlockIdError, Config, ConfigError, Executor, ListKV, Request, ScheduledRequest,

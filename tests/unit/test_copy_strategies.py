@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.impl import LayeredKV
-from kvoffload.impl.kv import SHAPES
+from kvoffload.impl.testing import SHAPES, LayeredKV
 from kvoffload.impl.transfer import STRATEGIES, Copier, HostPool
 from kvoffload.spec.config import ConfigError
 

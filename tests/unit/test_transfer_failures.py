@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.impl import OffloadConnector, LayeredKV
+from kvoffload.impl import OffloadConnector
+from kvoffload.impl.testing import LayeredKV
 from kvoffload.impl.transfer import Copier, HostPool, runs
 from kvoffload.spec import Config, Request, ScheduledRequest, SchedulerOutput
 

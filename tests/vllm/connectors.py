@@ -7,7 +7,7 @@ from __future__ import annotations
 from kvoffload.impl import OffloadConnector
 from kvoffload.spec.types import TransferPlan
 from kvoffload.impl.transfer import InlineExecutor
-from kvoffload.impl.vllm_blackbox import BlackBox, OffloadingTransfers, vllm_offloading_connector
+from kvoffload.impl.testing.blackbox import BlackBox, OffloadingTransfers, vllm_offloading_connector
 from kvoffload.impl.vllm_connector import KVOffloadConnector
 
 

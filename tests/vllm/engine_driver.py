@@ -35,9 +35,9 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from kvoffload.impl import LayeredKV  # noqa: E402
+from kvoffload.impl.testing import LayeredKV  # noqa: E402
 from kvoffload.impl.vllm_connector import KVOffloadConnector  # noqa: E402
-from kvoffload.impl.vllm_harness import BLOCK_SIZE, make_scheduler  # noqa: E402
+from kvoffload.impl.testing.harness import BLOCK_SIZE, make_scheduler  # noqa: E402
 from kvoffload.spec.world import Executor  # noqa: E402
 
 VOCAB = 512

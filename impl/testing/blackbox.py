@@ -40,13 +40,11 @@ from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request as VllmRequest  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvoffload.spec.config import Config, registered  # noqa: E402
-from kvoffload.spec.invariants import Violation  # noqa: E402
-from kvoffload.spec.types import (FENCED_FREES, REFUSE_STORE, RESET, TRANSFER_FAILURES, Copy, Event, Job,  # noqa: E402
-                                  SchedulerOutput, TransferKind, WorkerOutput)
-from kvoffload.spec.world import GARBAGE, Executor, ListKV, Request, State  # noqa: E402
+from kvoffload.spec import (FENCED_FREES, GARBAGE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Config,  # noqa: E402
+                            Copy, Event, Executor, Job, ListKV, Request, SchedulerOutput, State, TransferKind,
+                            Violation, WorkerOutput, registered)
 
-from .vllm_harness import LAYERS, make_configs  # noqa: E402
+from .harness import LAYERS, make_configs  # noqa: E402
 
 NULL_BLOCKS = 1  # vLLM's block 0 is the null block: world block b is vLLM block b + 1
 
@@ -115,7 +113,7 @@ class KVOffloadTransfers:
         return {job_id for job_id, t in in_flight.items() if t.kind == "store" and t.req_id in metadata.preempted}
 
     def worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
-        from .vllm_connector import KVOffloadWorkerMetadata
+        from ..vllm_connector import KVOffloadWorkerMetadata
         return KVOffloadWorkerMetadata(tuple(job_results)) if job_results else None
 
 
@@ -313,7 +311,7 @@ class BlackBox:
 def _create(config: Config, name: str, module: str | None, extra: Callable[[int], dict[str, Any]]) -> Any:
     """A vLLM connector's scheduler side, built as vLLM builds it, over a KV cache shaped like ``config``'s, with
     ``extra(bytes of one GPU block over all layers)`` as its extra config (to size its tier)."""
-    from .vllm_demo import build_tiny_llama  # vLLM's configs are built from a model config
+    from .demo import build_tiny_llama  # vLLM's configs are built from a model config
 
     model = build_tiny_llama(Path(os.environ.get("KVOFFLOAD_MODEL_DIR", ".cache/tiny-llama")))
     vllm_config, kv_cache_config = make_configs(model, config.num_gpu_blocks + NULL_BLOCKS, name, module, {},

@@ -2,7 +2,7 @@
 
 Builds a tiny random-weight Llama (no downloads), runs the workload once without the connector and once with it —
 resetting the engine's own prefix cache between rounds, so shared prefixes must come back from our CPU tier — and
-prints what moved and whether the outputs are identical. Run: ``python -m kvoffload.impl.vllm_demo``.
+prints what moved and whether the outputs are identical. Run: ``python -m kvoffload.impl.testing.demo``.
 """
 
 from __future__ import annotations

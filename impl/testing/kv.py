@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .transfer import block_views
+from ..transfer import block_views
 
 SHAPES = {  # per-layer tensor shape for num_blocks=n, block_size=b, heads=h, head_dim=d
     "kv_first": lambda n, b, h, d: (2, n, b, h, d),  # FlashAttention: K and V split
