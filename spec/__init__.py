@@ -2,21 +2,23 @@
 
 Read in this order: ``config`` (sizes, errors), ``types`` (what engine and connector exchange), ``world`` (the
 engine), ``tier`` (the offload tier), ``connector`` (the spec connector's decisions), ``invariants`` (what must
-always hold). ``kit`` (needs hypothesis) drives any connector through all of it; ``trace`` replays its failures.
+always hold). ``kit`` (needs hypothesis) drives any connector through all of it; ``kit.trace`` replays its failures.
 """
 
-from .config import BlockIdError, Config, ConfigError, UnknownRequestError
+from .config import BlockIdError, Config, ConfigError, UnknownRequestError, registered
 from .connector import SpecConnector
 from .invariants import SPEC_VERSION, Violation
 from .types import (CAPABILITIES, CONNECTOR_METHODS, FENCED_FREES, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES,
-                    Adapter, Connector, Event, GpuKV, Job, Observation, ScheduledRequest, SchedulerOutput,
-                    TransferPlan, WorkerOutput)
-from .world import Executor, ListKV, Request, World
+                    Adapter, Connector, Copy, Event, GpuKV, Job, Key, Observation, ScheduledRequest, SchedulerOutput,
+                    TransferKind, TransferPlan, WorkerOutput)
+from .world import GARBAGE, Executor, ListKV, Request, State, World
 
 __all__ = [
-    "CAPABILITIES", "CONNECTOR_METHODS", "FENCED_FREES", "OBSERVE", "REFUSE_STORE", "RESET", "TRANSFER_FAILURES",
+    "CAPABILITIES", "CONNECTOR_METHODS", "FENCED_FREES", "GARBAGE", "OBSERVE", "REFUSE_STORE", "RESET",
+    "TRANSFER_FAILURES",
     "Adapter",
-    "SPEC_VERSION", "BlockIdError", "Config", "ConfigError", "Connector", "Event", "Executor", "GpuKV", "Job",
-    "ListKV", "Observation", "Request", "ScheduledRequest", "SchedulerOutput", "SpecConnector",
-    "TransferPlan", "UnknownRequestError", "Violation", "WorkerOutput", "World",
+    "SPEC_VERSION", "BlockIdError", "Config", "ConfigError", "Connector", "Copy", "Event", "Executor", "GpuKV", "Job",
+    "Key", "ListKV", "Observation", "Request", "ScheduledRequest", "SchedulerOutput", "SpecConnector", "State",
+    "TransferKind", "TransferPlan", "UnknownRequestError", "Violation", "WorkerOutput", "World",
+    "registered",
 ]

@@ -8,11 +8,12 @@ when it does not. The world calls the ones tied to a moment (TRACK right after `
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .types import Key, Observation, WorkerOutput
 
 if TYPE_CHECKING:
+    from .kit.coverage import Coverage
     from .types import GpuKV, Job
     from .world import Executor, Request, World
 
@@ -20,13 +21,39 @@ SPEC_VERSION = "0.3"
 
 
 class Violation(AssertionError):
-    """An invariant failed. ``rules_run`` is filled in by the kit: the length of the program that broke it."""
+    """An invariant failed. A kit run fills in the rest: the program that broke it (``trace``, each rule with its
+    arguments), its length (``rules_run``) and what the run had exercised by then (``coverage``)."""
 
+    invariant: str
     rules_run: int | None = None
+    trace: list[tuple[str, dict[str, Any]]] | None = None
+    coverage: Coverage | None = None
 
     def __init__(self, invariant: str, message: str) -> None:
         super().__init__(f"[kvoffload spec {SPEC_VERSION}] {invariant}: {message}")
         self.invariant = invariant
+
+    @property
+    def finding(self) -> str:
+        """What was found, by a stable name: the invariant ("TRACK"), or "RAISED" and the exception's type."""
+        return self.invariant
+
+
+class ConnectorError(Violation):
+    """RAISED — the connector (or the world, on what the connector returned) raised an exception of its own during a
+    kit run: an IndexError, an assert in its code. Reported as a violation naming the exception's type and text;
+    the exception itself is the ``__cause__``."""
+
+    raised: str  # the exception's type, by name
+
+    def __init__(self, raised: Exception) -> None:
+        self.raised = type(raised).__name__
+        super().__init__("RAISED", f"the connector raised {self.raised}" + (f": {raised}" if str(raised) else ""))
+        self.__cause__ = raised
+
+    @property
+    def finding(self) -> str:
+        return f"{self.invariant} {self.raised}"
 
 
 CHECKED: Counter[str] = Counter()  # how often each invariant was evaluated in this process (for reports)

@@ -20,3 +20,10 @@ class Undeclared:
         inner = SpecConnector(config)
         for name in CONNECTOR_METHODS:
             setattr(self, name, getattr(inner, name))
+
+
+class RaisesAtFinish(SpecConnector):
+    """A connector with a bug of its own: an exception, not a wrong answer."""
+
+    def request_finished(self, request, block_ids):
+        raise IndexError("slot out of range")

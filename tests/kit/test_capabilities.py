@@ -6,6 +6,7 @@ import pytest
 
 from kvoffload.spec import OBSERVE, SpecConnector
 from kvoffload.spec.kit import Scenario, SkippedRule, capabilities_of, make_machine, run_conformance
+from kvoffload.spec.kit.scenario import NEEDS, skipped_by
 
 from .connectors import SCENARIO, Undeclared
 
@@ -64,3 +65,11 @@ def test_what_the_scenario_turns_off_is_reported_without_a_warning():
         coverage = run_conformance(SpecConnector, Scenario(), profile="pr", max_examples=5)
     assert set(coverage.off) == {"advance_transfers", "fail_next_transfer"} and not coverage.skipped
     assert "off:        advance_transfers: the scenario completes transfers at submit (delay=0)" in str(coverage)
+
+
+def test_skips_come_from_what_each_rule_and_check_declares():
+    everything = Scenario(delay=1, failures=True, broken_loads=True)
+    skipped, off = skipped_by(frozenset(), everything)
+    assert set(skipped) == {name for name, need in NEEDS.items() if need.capability} and not off
+    assert NEEDS["refuse_next_store"].capability == "refuse_store"
+    assert set(skipped_by(frozenset(), Scenario())[1]) == {name for name, need in NEEDS.items() if need.switch}

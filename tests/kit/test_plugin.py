@@ -47,7 +47,7 @@ from hypothesis import settings
 
 
 def test_profile_comes_from_the_command_line():
-    assert settings.default.max_examples == settings.get_profile("mutation").max_examples
+    assert settings.default.max_examples == settings.get_profile("kvoffload-mutation").max_examples
 
 
 def test_fifo_connector(kvoffload_conformance):
@@ -81,13 +81,13 @@ def test_the_plugin_runs_the_kit_and_writes_a_trace_that_replays(pytester):
     pytester.makeconftest(CONFTEST)
     result = pytester.runpytest_subprocess("--kvoffload-profile=mutation", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3, failed=1)
-    result.stdout.fnmatch_lines(["*FINISH: request r* delay=False*", "*replay: python -m kvoffload.spec.trace*",
+    result.stdout.fnmatch_lines(["*FINISH: request r* delay=False*", "*replay: python -m kvoffload.spec.kit.trace*",
                                  "*kvoffload kit coverage*", "test_fifo.py::test_fifo_connector",
                                  "*: * programs, * rules, * engine steps", "*invariants: CONTENT *"])
     trace = pytester.path / "kvoffload-traces" / "test_broken_connector.jsonl"
     assert trace.exists()
     failure = next(line.split("Violation: ")[1] for line in result.stdout.lines if "Violation: [kvoffload" in line)
-    replayed = subprocess.run([sys.executable, "-m", "kvoffload.spec.trace", str(trace)], cwd=pytester.path,
+    replayed = subprocess.run([sys.executable, "-m", "kvoffload.spec.kit.trace", str(trace)], cwd=pytester.path,
                               capture_output=True, text=True)
     assert replayed.returncode != 0
     assert failure.startswith("[kvoffload spec") and failure in replayed.stderr

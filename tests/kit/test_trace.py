@@ -7,10 +7,11 @@ import sys
 import pytest
 
 from kvoffload.spec import SpecConnector, Violation
+from kvoffload.spec.invariants import ConnectorError
 from kvoffload.spec.kit import run_conformance
-from kvoffload.spec.trace import read_trace, replay
+from kvoffload.spec.kit.trace import read_trace, replay
 
-from .connectors import SCENARIO, ForgetsDelayedFrees
+from .connectors import SCENARIO, ForgetsDelayedFrees, RaisesAtFinish
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +27,8 @@ def test_the_trace_is_the_shrunk_program(failure):
     header, program = read_trace(path)
     assert header["adapter"] == "tests.kit.connectors:ForgetsDelayedFrees"
     assert header["failure"] == f"Violation: {str(violation).splitlines()[0]}"
-    assert [name for name, _ in program] == [name for name, _ in violation.kvoffload_trace]
-    assert len(program) == violation.kvoffload_rules_run > 0
+    assert [name for name, _ in program] == [name for name, _ in violation.trace]
+    assert len(program) == violation.rules_run > 0
     assert all(json.loads(line) for line in path.read_text().splitlines())  # one JSON object per line
     assert any(str(path) in note for note in violation.__notes__)
 
@@ -42,7 +43,7 @@ def test_replay_raises_the_same_failure(failure):
 
 def test_replay_from_the_command_line(failure):
     path, violation = failure
-    done = subprocess.run([sys.executable, "-m", "kvoffload.spec.trace", str(path)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "kvoffload.spec.kit.trace", str(path)], capture_output=True, text=True)
     assert done.returncode != 0
     assert str(violation).splitlines()[0] in done.stderr
 
@@ -50,3 +51,18 @@ def test_replay_from_the_command_line(failure):
 def test_replay_against_a_fixed_connector_passes(failure):
     path, _ = failure
     replay(path, adapter=SpecConnector)
+
+
+def test_an_exception_of_the_connector_is_a_violation_that_replays(tmp_path):
+    """Nothing is pinned on the connector's own exception: the kit reports a ConnectorError (RAISED) caused by it."""
+    path = tmp_path / "raises.jsonl"
+    with pytest.raises(ConnectorError) as caught:
+        run_conformance(RaisesAtFinish, SCENARIO, profile="pr", trace=path)
+    error = caught.value
+    assert isinstance(error.__cause__, IndexError) and not hasattr(error.__cause__, "rules_run")
+    assert error.finding == "RAISED IndexError" and "the connector raised IndexError: slot out of range" in str(error)
+    assert error.rules_run == len(error.trace) > 0 and error.coverage.examples > 0
+    assert read_trace(path)[0]["failure"] == f"ConnectorError: {str(error).splitlines()[0]}"
+    with pytest.raises(ConnectorError) as again:
+        replay(path)
+    assert str(again.value) == str(error)

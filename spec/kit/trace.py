@@ -4,7 +4,7 @@ Line 1 says what ran: spec version, adapter and KV factories (``module:qualname`
 failure. Every further line is one rule with its arguments, in order: the shrunk program. Replay builds the same
 machine and runs the program as Hypothesis did (invariants after the start and after every rule, then teardown):
 
-    python -m kvoffload.spec.trace kvoffload-traces/test_my_connector.jsonl
+    python -m kvoffload.spec.kit.trace kvoffload-traces/test_my_connector.jsonl
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from typing import Any, Callable
 
 from attrs import asdict
 
-from .config import Config
-from .invariants import SPEC_VERSION
-from .kit import ConformanceMachine, Scenario, make_machine, recorded
+from ..config import Config
+from ..invariants import SPEC_VERSION, Violation
+from .machine import ConformanceMachine, make_machine
+from .scenario import Scenario
 
 
 def qualified_name(obj: Any) -> str:
@@ -39,14 +40,14 @@ def resolve(name: str) -> Any:
     return obj
 
 
-def write_trace(path: Path, machine: type[ConformanceMachine], failure: BaseException) -> None:
+def write_trace(path: Path, machine: type[ConformanceMachine], failure: Violation) -> None:
     header = {"kvoffload_trace": 1, "spec_version": SPEC_VERSION,
               "adapter": qualified_name(machine.factory), "kv": qualified_name(machine.kv_factory),
               "level": machine.level, "scenario": asdict(machine.scenario),
               "failure": f"{type(failure).__name__}: {failure}".splitlines()[0]}
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as out:
-        for line in [header, *({"rule": name, "args": args} for name, args in recorded(failure, "trace"))]:
+        for line in [header, *({"rule": name, "args": args} for name, args in failure.trace or ())]:
             out.write(json.dumps(line) + "\n")
 
 

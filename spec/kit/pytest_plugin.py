@@ -10,12 +10,14 @@ in a test call the runner:
     def test_conformance(kvoffload_conformance):
         kvoffload_conformance()
 
-``--kvoffload-profile=pr|nightly|mutation`` picks the Hypothesis profile. ``@pytest.mark.kvoffload_slow`` runs a
-quarter of the profile's programs, half as long, for slow machines. A failing run writes its shrunk program to
-``--kvoffload-trace-dir`` (default ``kvoffload-traces``) as JSON Lines; ``python -m kvoffload.spec.trace FILE``
-replays it. Coverage of every run is printed at the end of the session.
+``--kvoffload-profile=pr|nightly|mutation`` picks the Hypothesis profile (``kvoffload-pr``, ...; a profile of your own
+by its name). ``@pytest.mark.kvoffload_slow`` runs a quarter of the profile's programs, half as long, for slow
+machines. A failing run writes its shrunk program to ``--kvoffload-trace-dir`` (default ``kvoffload-traces``) as JSON
+Lines; ``python -m kvoffload.spec.kit.trace FILE`` replays it. Coverage of every run is printed at the end of the
+session.
 
-Nothing here imports Hypothesis until a kit fixture is used: pytest loads this plugin wherever kvoffload is installed.
+Nothing here imports Hypothesis until a kit fixture is used or a profile is asked for: pytest loads this plugin
+wherever kvoffload is installed (and so imports the ``kvoffload.spec.kit`` package, which imports nothing eagerly).
 """
 
 from __future__ import annotations
@@ -26,16 +28,16 @@ from typing import TYPE_CHECKING, Any, Callable
 import pytest
 
 if TYPE_CHECKING:
-    from .kit import Level
+    from .machine import Level
 
-PROFILES = ("pr", "nightly", "mutation")
 COVERAGE = "kvoffload_coverage"  # a user property of the test's report: it reaches the summary under xdist too
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvoffload", "kvoffload conformance kit")
-    group.addoption("--kvoffload-profile", choices=PROFILES, default=None,
-                    help="Hypothesis profile for kit runs (default: $HYPOTHESIS_PROFILE, else pr)")
+    group.addoption("--kvoffload-profile", default=None, metavar="NAME",
+                    help="Hypothesis profile for kit runs: pr, nightly, mutation (kvoffload-pr, ...) or one of "
+                         "yours (default: the profile Hypothesis has loaded)")
     group.addoption("--kvoffload-trace-dir", default="kvoffload-traces",
                     help="where failing kit runs write their shrunk program (JSON Lines)")
 
@@ -43,9 +45,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kvoffload_slow: run the kit at a quarter of the profile's programs, "
                                        "half as long each (slow machines)")
-    if config.getoption("kvoffload_profile"):
-        from .kit import load_profile
-        load_profile(config.getoption("kvoffload_profile"))
+    name = config.getoption("kvoffload_profile")
+    if name:
+        from hypothesis.errors import InvalidArgument
+
+        from .profiles import load_profile
+        try:
+            load_profile(name)
+        except InvalidArgument as exc:
+            raise pytest.UsageError(f"--kvoffload-profile={name}: {exc}") from None
 
 
 @pytest.fixture
@@ -57,7 +65,7 @@ def kvoffload_adapter() -> Callable[[Any], Any]:
 
 @pytest.fixture
 def kvoffload_scenario() -> Any:
-    from .kit import Scenario
+    from .scenario import Scenario
     return Scenario()
 
 
@@ -72,7 +80,7 @@ def kvoffload_conformance(request: pytest.FixtureRequest, kvoffload_adapter: Cal
     """Runs the kit against ``kvoffload_adapter``; keyword arguments override Hypothesis settings."""
     from hypothesis import settings
 
-    from .kit import run_conformance
+    from .runners import run_conformance
 
     def run(**overrides: Any) -> Any:
         if request.node.get_closest_marker("kvoffload_slow"):

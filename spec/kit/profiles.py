@@ -1,0 +1,43 @@
+"""The kit's Hypothesis profiles: the one place its settings live.
+
+They are registered under kvoffload's own names (``kvoffload-pr``, ``kvoffload-nightly``, ``kvoffload-mutation``), so
+importing the kit never replaces a profile of the project that uses it, and nothing is loaded at import. The short
+names (``pr``, ``nightly``, ``mutation``) mean ours wherever the kit takes a profile name: ``load_profile``,
+``run_conformance(profile=...)``, ``$HYPOTHESIS_PROFILE`` and ``--kvoffload-profile``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, settings
+
+PROFILES = {"pr": "kvoffload-pr", "nightly": "kvoffload-nightly", "mutation": "kvoffload-mutation"}  # short: ours
+PROFILE_ENV = "HYPOTHESIS_PROFILE"
+
+_COMMON: dict[str, Any] = dict(deadline=None, report_multiple_bugs=False,
+                               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+_NO_EXPLAIN = [p for p in Phase if p is not Phase.explain]  # explaining a stateful failure costs minutes
+settings.register_profile(PROFILES["pr"], derandomize=True, max_examples=60, stateful_step_count=40,
+                          phases=_NO_EXPLAIN, **_COMMON)
+settings.register_profile(PROFILES["nightly"], max_examples=2000, stateful_step_count=80, **_COMMON)
+settings.register_profile(PROFILES["mutation"], derandomize=True, database=None, max_examples=200,
+                          stateful_step_count=60, phases=[Phase.generate], **_COMMON)
+
+
+def profile_name(name: str) -> str:
+    """The registered name: ours for a short name, any other name (``kvoffload-pr``, a profile of yours) as given."""
+    return PROFILES.get(name, name)
+
+
+def get_profile(name: str) -> settings:
+    """The named profile, without loading it."""
+    return settings.get_profile(profile_name(name))
+
+
+def load_profile(name: str | None = None) -> settings:
+    """Make the named profile Hypothesis' default (default: $HYPOTHESIS_PROFILE, else "pr") and return it."""
+    name = profile_name(name or os.environ.get(PROFILE_ENV) or "pr")
+    settings.load_profile(name)
+    return settings.get_profile(name)

@@ -1,0 +1,107 @@
+"""Scenarios, and what an adapter declares it can do (its capabilities).
+
+A rule or check that needs a capability the adapter does not declare is skipped, and one that needs a scenario switch
+that is off is turned off; both are reported with their reason. What each needs is declared once, as a ``Need``
+(``needs`` on a rule of the machine, ``declare`` for a check): its precondition and the coverage report's skipped and
+off lines (``skipped_by``) are computed from that declaration.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from attrs import frozen
+
+from ..config import Config
+from ..types import CAPABILITIES, CAPABILITY_METHODS
+
+
+@frozen
+class Scenario:
+    """One configuration of engine, tier and environment."""
+
+    config: Config = Config()
+    delay: int = 0  # steps the environment may hold a transfer back (0: it completes at submit)
+    failures: bool = False  # transfers may fail
+    max_live: int = 6  # live requests at most
+    broken_loads: bool = False  # a persistent fault: every load fails on the last worker (requests must finish)
+
+    def __str__(self) -> str:
+        c = self.config
+        cache = "" if c.prefix_caching else " no-prefix-cache"
+        timing = f"delay={self.delay}" if self.delay else "immediate"
+        modes = "".join((" async" if c.async_scheduling else "", f" spec={c.num_spec_tokens}" * bool(c.num_spec_tokens),
+                         f" workers={c.num_workers}" * (c.num_workers > 1), " broken-loads" * self.broken_loads))
+        return (f"k={c.k} gpu={c.num_gpu_blocks}{cache} tier={c.tier_blocks} {c.policy} budget={c.token_budget} "
+                f"{timing}{' failures' if self.failures else ''}{modes}")
+
+
+DEFAULT_SCENARIO = Scenario()  # Scenario is frozen: one instance serves as every default
+
+# How the coverage report says that a switch is off (default: "the scenario has <switch>=<value>").
+SWITCHED_OFF = {"delay": "the scenario completes transfers at submit (delay=0)"}
+
+
+class SkippedRule(UserWarning):
+    """A rule or invariant the kit could not run against this adapter: a capability it does not declare."""
+
+
+def capabilities_of(adapter: Any) -> frozenset[str]:
+    """The adapter's declared capabilities, checked: known names, and the methods they promise are there."""
+    declared = frozenset(getattr(adapter, "capabilities", ()))
+    unknown = declared - set(CAPABILITIES)
+    if unknown:
+        raise TypeError(f"{type(adapter).__name__} declares unknown capabilities {sorted(unknown)}; "
+                        f"known: {', '.join(CAPABILITIES)}")
+    missing = [f"{name} needs {method}()" for name, method in CAPABILITY_METHODS.items()
+               if name in declared and not callable(getattr(adapter, method, None))]
+    if missing:
+        raise TypeError(f"{type(adapter).__name__} declares capabilities it lacks: {'; '.join(missing)}")
+    return declared
+
+
+@frozen
+class Need:
+    """What one rule or check needs to run here; every field is optional."""
+
+    capability: str | None = None  # the adapter must declare it
+    switch: str | None = None  # a Scenario field that must be on; off, the report lists it under "off"
+    mode: str | None = None  # a Scenario field: the check exists only when the scenario turns it on (off is no gap)
+    unless: str | None = None  # a capability that, declared, replaces the check
+    note: str = ""  # what is lost without it, added to the reason
+
+    def gap(self, declared: frozenset[str], scenario: Scenario) -> tuple[Literal["off", "skipped"], str] | None:
+        """Why it cannot run: ("off", why) for the scenario's choice, ("skipped", why) for the adapter's gap."""
+        note = f" ({self.note})" if self.note else ""
+        if self.switch and not getattr(scenario, self.switch):
+            return "off", SWITCHED_OFF.get(self.switch, f"the scenario has {self.switch}="
+                                                        f"{getattr(scenario, self.switch)!r}")
+        if self.mode and not getattr(scenario, self.mode):
+            return None  # not asked for: nothing is lost
+        if self.capability and self.capability not in declared:
+            return "skipped", f"the adapter does not declare '{self.capability}'{note}"
+        if self.unless and self.unless in declared:
+            return "skipped", f"the adapter declares '{self.unless}'{note}"
+        return None
+
+    def met(self, declared: frozenset[str], scenario: Scenario) -> bool:
+        return self.gap(declared, scenario) is None and (self.mode is None or bool(getattr(scenario, self.mode)))
+
+
+NEEDS: dict[str, Need] = {}  # every rule and check with a need, by the name the coverage report gives it
+
+
+def declare(name: str, capability: str | None = None, **need: Any) -> Need:
+    """Declare what the rule or check ``name`` needs (the one place it is said) and return it."""
+    NEEDS[name] = Need(capability, **need)
+    return NEEDS[name]
+
+
+def skipped_by(declared: frozenset[str], scenario: Scenario) -> tuple[dict[str, str], dict[str, str]]:
+    """What this adapter cannot be checked for (capabilities it does not declare), and what this scenario turns off
+    (a choice, not a gap), each with its reason: computed from what every rule and check declared it needs."""
+    report: dict[str, dict[str, str]] = {"skipped": {}, "off": {}}
+    for name, need in NEEDS.items():
+        if gap := need.gap(declared, scenario):
+            report[gap[0]][name] = gap[1]
+    return report["skipped"], report["off"]
