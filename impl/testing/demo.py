@@ -2,7 +2,9 @@
 
 Builds a tiny random-weight Llama (no downloads), runs the workload once without the connector and once with it —
 resetting the engine's own prefix cache between rounds, so shared prefixes must come back from our CPU tier — and
-prints what moved and whether the outputs are identical. Run: ``python -m kvoffload.impl.testing.demo``.
+prints, from vLLM's own metrics, the prompt tokens the engine computed and the seconds its generate calls took,
+both ways; what the connector moved, at bytes over copy time; and whether the outputs are identical.
+Run: ``python -m kvoffload.impl.testing.demo``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import random
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: we read its connector
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the demo's own progress and table, not the engine's log
@@ -49,12 +53,14 @@ def connector_config(**extra):
                             kv_load_failure_policy="recompute")  # a failed load is recomputed, not an error
 
 
-def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48):
+def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log_stats: bool = False):
+    """``log_stats`` turns on vLLM's metrics (``llm.get_metrics()``); its periodic log stays below ERROR."""
     from vllm import LLM
 
     return LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=1024,
                num_gpu_blocks_override=num_gpu_blocks, enable_prefix_caching=True, dtype="float32",
-               gpu_memory_utilization=0.1, kv_transfer_config=kv_transfer_config, seed=0)
+               gpu_memory_utilization=0.1, kv_transfer_config=kv_transfer_config, seed=0,
+               disable_log_stats=not log_stats)
 
 
 def scheduler_connector(llm):
@@ -68,17 +74,132 @@ def workload(requests: int, seed: int) -> list[list[int]]:
     return [rnd.choice(systems) + [rnd.randrange(512) for _ in range(rnd.randrange(1, 24))] for _ in range(requests)]
 
 
-def run_rounds(llm, prompts: list[list[int]], rounds: int, max_tokens: int) -> list[list[int]]:
+def run_rounds(llm, prompts: list[list[int]], rounds: int, max_tokens: int,
+               seconds: list[float] | None = None) -> list[list[int]]:
+    """Outputs of every round; ``seconds`` (if given) gets the wall time of each round's generate call."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     outputs = []
     for r in range(rounds):
-        print(f"  round {r + 1}/{rounds}: {len(prompts)} requests", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         done = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        spent = time.perf_counter() - started
+        if seconds is not None:
+            seconds.append(spent)
+        print(f"  round {r + 1}/{rounds}: {len(prompts)} requests, {spent:.2f} s", file=sys.stderr, flush=True)
         outputs += [list(o.outputs[0].token_ids) for o in done]
         llm.reset_prefix_cache()  # the next round's shared prefixes must come from the tier
     return outputs
+
+
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vLLM's vllm:prompt_tokens_by_source
+
+
+@dataclass
+class Run:
+    """One engine's pass over the workload, in the engine's own figures."""
+
+    outputs: list[list[int]]
+    prompt_tokens: dict[str, int]  # vLLM's prompt_tokens_by_source over the workload (warm-up excluded)
+    seconds: list[float]  # wall time of each round's generate call
+
+
+def engine_prompt_tokens(llm) -> dict[str, int]:
+    """vLLM's own counter ``vllm:prompt_tokens_by_source`` (needs ``log_stats``): prompt tokens the engine computed
+    (``local_compute``), took from its GPU prefix cache (``local_cache_hit``) or from a connector
+    (``external_kv_transfer``), as its scheduler recorded them at each request's first scheduling."""
+    counts = dict.fromkeys(PROMPT_SOURCES, 0)
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:prompt_tokens_by_source" and metric.labels.get("source") in counts:
+            counts[metric.labels["source"]] += int(metric.value)
+    return counts
+
+
+def warm_up(llm, requests: int, max_tokens: int) -> None:
+    """First calls pay one-time costs (lazy initialisation, new batch shapes, the first copy each way); the figures
+    leave them out. Two rounds of a workload of the same shape whose prompts share nothing with the measured one:
+    with the connector, the first stores and the second loads."""
+    print("  warm-up:", file=sys.stderr, flush=True)
+    run_rounds(llm, workload(requests, seed=1), rounds=2, max_tokens=max_tokens)
+
+
+def measure(llm, prompts: list[list[int]], rounds: int, max_tokens: int) -> Run:
+    before, seconds = engine_prompt_tokens(llm), list[float]()
+    outputs = run_rounds(llm, prompts, rounds, max_tokens, seconds)
+    after = engine_prompt_tokens(llm)
+    return Run(outputs, {s: after[s] - before[s] for s in PROMPT_SOURCES}, seconds)
+
+
+def counters_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The connector's counters over the workload: numbers as differences, anything else (the verdict) as is."""
+    return {k: v - before.get(k, 0) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+            for k, v in after.items()}
+
+
+def copy_rate(moved: float, seconds: float) -> str:
+    """Bytes over copy time (the seconds the copies themselves took, as the connector's executor timed them)."""
+    if not moved or seconds <= 0:
+        return f"{moved / 2**20:.1f} MiB"
+    return f"{moved / 2**20:.1f} MiB in {seconds * 1e3:.1f} ms of copying: {moved / seconds / 1e9:.2f} GB/s"
+
+
+@dataclass
+class Summary:
+    engine: list[tuple[str, str, str]]  # figure, without, with
+    connector: list[tuple[str, str]]
+    verdict: str
+    ok: bool
+
+
+def summarize(without: Run, with_: Run, stats: dict[str, Any], prompt_tokens: int) -> Summary:
+    """The figures the demo prints: the engine's (both ways), the connector's, and the one-line verdict.
+    ``prompt_tokens`` is what the workload sent (every round), to check vLLM's accounting adds up."""
+    identical = with_.outputs == without.outputs
+    computed = {name: run.prompt_tokens["local_compute"] for name, run in (("without", without), ("with", with_))}
+    saved = computed["without"] - computed["with"]
+    adds_up = all(sum(run.prompt_tokens.values()) == prompt_tokens for run in (without, with_))
+
+    def both(figure, key):
+        return (figure, str(without.prompt_tokens[key]), str(with_.prompt_tokens[key]))
+
+    engine = [
+        ("prompt tokens sent", str(prompt_tokens), str(prompt_tokens)),
+        both("  computed by the engine", "local_compute"),
+        both("  from its GPU prefix cache", "local_cache_hit"),
+        both("  from the CPU tier (connector)", "external_kv_transfer"),
+        ("engine seconds (generate calls)", f"{sum(without.seconds):.2f}", f"{sum(with_.seconds):.2f}"),
+        ("  fastest round", f"{min(without.seconds, default=0):.2f}", f"{min(with_.seconds, default=0):.2f}"),
+    ]
+    connector = [
+        ("tier lookups", str(stats["lookups"])),
+        ("tier hits (tokens)", str(stats["hit_tokens"])),
+        ("blocks stored / loaded", f"{stats['stored_blocks']} / {stats['loaded_blocks']}"),
+        ("stored", copy_rate(stats["bytes_stored"], stats["store_seconds"])),
+        ("loaded", copy_rate(stats["bytes_loaded"], stats["load_seconds"])),
+        ("store allocation failures", str(stats["alloc_failures"])),
+    ]
+    if "shadow" in stats:
+        connector.append(("shadow spec monitor", str(stats["shadow"])))
+    share = f" ({saved / computed['without']:.0%})" if computed["without"] else ""
+    verdict = (f"outputs identical with and without: {'yes' if identical else 'NO'}; "
+               f"prompt tokens saved: {saved} of {computed['without']}{share}")
+    if not adds_up:
+        verdict += f"; vLLM's prompt-token sources do not add up to the {prompt_tokens} sent"
+    ok = identical and saved > 0 and adds_up and str(stats.get("shadow", "ok")).startswith("ok")
+    return Summary(engine, connector, verdict, ok)
+
+
+def render(summary: Summary, title: str) -> str:
+    width = max(len(row[0]) for row in (*summary.engine, *summary.connector))
+    cols = [max(len(row[i]) for row in summary.engine) for i in (1, 2)]
+    cols = [max(cols[0], len("without")), max(cols[1], len("with"))]
+    lines = [title, "", f"  {'engine (vLLM metrics)':<{width}}  {'without':>{cols[0]}}  {'with':>{cols[1]}}"]
+    lines += [f"  {name:<{width}}  {a:>{cols[0]}}  {b:>{cols[1]}}" for name, a, b in summary.engine]
+    lines += ["", "  connector (its counters)"]
+    lines += [f"  {name:<{width}}  {value}" for name, value in summary.connector]
+    lines += ["", summary.verdict]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,42 +214,24 @@ def main(argv: list[str] | None = None) -> int:
     print("building the tiny model and the engine without the connector...", file=sys.stderr, flush=True)
     model = build_tiny_llama(args.model_dir)
     prompts = workload(args.requests, seed=0)
-    llm = make_llm(model)
-    expected = run_rounds(llm, prompts, args.rounds, args.max_tokens)
+    llm = make_llm(model, log_stats=True)
+    warm_up(llm, args.requests, args.max_tokens)
+    without = measure(llm, prompts, args.rounds, args.max_tokens)
     del llm
     gc.collect()
     print("the same workload with the offloading connector...", file=sys.stderr, flush=True)
     llm = make_llm(model, connector_config(tier_bytes=args.tier_mib << 20, offload_block_size=BLOCK_SIZE,
-                                           verify=True))  # the spec checks every step beside the connector
-    timed = time.perf_counter()
-    got = run_rounds(llm, prompts, args.rounds, args.max_tokens)
-    seconds = time.perf_counter() - timed
-    stats = scheduler_connector(llm).stats()
-    block_bytes = stats["bytes_stored"] / max(stats["stored_blocks"], 1)
-
-    def rate(moved: float, spent: float) -> str:
-        return f"{moved / 2**20:.1f} MiB at {moved / spent / 1e9:.2f} GB/s" if spent else "0 MiB"
-
-    rows = [
-        ("requests", f"{args.requests} x {args.rounds} rounds"),
-        ("tier lookups", stats["lookups"]),
-        ("engine prefix-cache hits (tokens)", stats["engine_hit_tokens"]),
-        ("tier hits (tokens)", stats["hit_tokens"]),
-        ("blocks stored / loaded", f"{stats['stored_blocks']} / {stats['loaded_blocks']}"),
-        ("bytes stored", rate(stats["bytes_stored"], stats["store_seconds"])),
-        ("bytes loaded", rate(stats["bytes_loaded"], stats["load_seconds"])),
-        ("block size", f"{block_bytes / 1024:.0f} KiB" if stats["stored_blocks"] else "-"),
-        ("store allocation failures", stats["alloc_failures"]),
-        ("shadow spec monitor", stats["shadow"]),
-        ("engine seconds with connector", f"{seconds:.1f}"),
-        ("outputs identical", "yes" if got == expected else "NO"),
-        ("total seconds", f"{time.perf_counter() - start:.1f}"),
-    ]
-    width = max(len(name) for name, _ in rows)
-    print("\nkvoffload demo — vLLM (CPU) with the offloading connector")
-    for name, value in rows:
-        print(f"  {name:<{width}}  {value}")
-    return 0 if got == expected and stats["hit_tokens"] > 0 and stats["shadow"].startswith("ok") else 1
+                                           verify=True),  # the spec checks every step beside the connector
+                   log_stats=True)
+    warm_up(llm, args.requests, args.max_tokens)
+    before = scheduler_connector(llm).stats()
+    with_ = measure(llm, prompts, args.rounds, args.max_tokens)
+    stats = counters_since(before, scheduler_connector(llm).stats())
+    summary = summarize(without, with_, stats, prompt_tokens=args.rounds * sum(map(len, prompts)))
+    title = (f"kvoffload demo — vLLM (CPU), tiny Llama, {args.requests} requests x {args.rounds} rounds, "
+             f"GPU prefix cache reset between rounds ({time.perf_counter() - start:.0f} s in all)")
+    print("\n" + render(summary, title))
+    return 0 if summary.ok else 1
 
 
 if __name__ == "__main__":
