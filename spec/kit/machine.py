@@ -213,7 +213,11 @@ class ConformanceMachine(RuleBasedStateMachine):
 
 def make_machine(factory: Callable[[Config], Any], scenario: Scenario = DEFAULT_SCENARIO, level: Level = "invariants",
                  kv_factory: Callable[[int], Any] = ListKV, name: str | None = None) -> type[ConformanceMachine]:
-    """A ConformanceMachine subclass bound to one adapter and one scenario (its ``TestCase`` runs it in pytest)."""
+    """A ConformanceMachine subclass bound to one adapter and one scenario (its ``TestCase`` runs it in pytest).
+
+    Every such machine is named ``Conformance`` unless ``name`` says otherwise: a derandomized profile seeds
+    Hypothesis from the machine's name, and the programs a profile runs must not depend on what the factory is
+    called (the trace names the adapter)."""
     attrs = dict(factory=staticmethod(factory), kv_factory=staticmethod(kv_factory), scenario=scenario, level=level,
                  coverage=Coverage(guarded=set(GUARDED)))
-    return type(name or f"Conformance_{getattr(factory, '__name__', 'connector')}", (ConformanceMachine,), attrs)
+    return type(name or "Conformance", (ConformanceMachine,), attrs)

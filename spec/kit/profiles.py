@@ -9,7 +9,8 @@ names (``pr``, ``nightly``, ``mutation``) mean ours wherever the kit takes a pro
 from __future__ import annotations
 
 import os
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from hypothesis import HealthCheck, Phase, settings
 
@@ -41,3 +42,30 @@ def load_profile(name: str | None = None) -> settings:
     name = profile_name(name or os.environ.get(PROFILE_ENV) or "pr")
     settings.load_profile(name)
     return settings.get_profile(name)
+
+
+@contextmanager
+def project_independent() -> Iterator[None]:
+    """Run Hypothesis without the constants it collects from the importing project's own modules.
+
+    Hypothesis sometimes draws an integer from the literals of "local" modules (those outside site-packages) that
+    happen to be imported. Which ones are depends on what ran earlier in the process, and on whether kvoffload is
+    installed editable or not, so the same derandomized profile tested other programs from one run to the next (a
+    bug caught in one CI run was missed in the next). The kit's programs depend on the profile alone. If a
+    Hypothesis release drops that private hook, this does nothing.
+    """
+    from hypothesis.internal.conjecture import providers
+
+    collect = getattr(providers, "_get_local_constants", None)
+    cache = getattr(getattr(providers, "CONSTANTS_CACHE", None), "cache", None)
+    if collect is None or not isinstance(cache, dict):
+        yield
+        return
+    none_local = providers.Constants()
+    providers._get_local_constants = lambda: none_local
+    cache.clear()  # the permitted constants cached so far include the local ones
+    try:
+        yield
+    finally:
+        providers._get_local_constants = collect
+        cache.clear()

@@ -17,7 +17,7 @@ from ..invariants import Violation
 from ..world import ListKV
 from .coverage import Coverage
 from .machine import Level, make_machine
-from .profiles import get_profile
+from .profiles import get_profile, project_independent
 from .scenario import DEFAULT_SCENARIO, Scenario, SkippedRule
 from .trace import write_trace
 
@@ -33,7 +33,8 @@ def run_conformance(factory: Callable[[Config], Any], scenario: Scenario = DEFAU
     machine = make_machine(factory, scenario, level, kv_factory)
     checked_before = Counter(invariants.CHECKED)
     try:
-        run_state_machine_as_test(machine, settings=settings(base, **overrides))
+        with project_independent():
+            run_state_machine_as_test(machine, settings=settings(base, **overrides))
     except Violation as exc:
         if trace is not None and exc.trace is not None:
             write_trace(Path(trace), machine, exc)
