@@ -29,7 +29,7 @@ class OffloadConnector(OffloadScheduler, OffloadWorker):
     def observe(self) -> Observation:
         live = {r: s for r, s in self.requests.items() if s.allocated}
         return Observation(
-            tracked={r: tuple(s.blocks) for r, s in live.items()},
+            tracked={r: tuple(s.block_table) for r, s in live.items()},
             cursors={r: s.cursor for r, s in live.items()},
             tier=self.tier.view(),
             jobs=tuple(sorted((t.req_id, t.kind, tuple(t.copies)) for t in self.unfinished.values())),

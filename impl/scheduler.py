@@ -1,47 +1,49 @@
 """Scheduler side of the production connector: per-step work proportional to the blocks that changed.
 
 Per request it keeps the block table, the store cursor and a count of its unfinished transfers; keys are read
-straight from the request's block hashes (every k-th), never re-sliced. A request with no offload block completed
-this step costs a dict lookup and a few integer comparisons. The cursor never passes the hashes: under async
-scheduling and speculative decoding the scheduled tokens run ahead of the tokens the engine has seen.
+straight from the request's block hashes (the spec's key rule, ``key_index`` / ``offload_keys``), only for the
+offload blocks a lookup, load or store touches. A request with no offload block completed this step costs a dict
+lookup and a few integer comparisons. The cursor never passes the hashes (the timing rule of ``RequestView``).
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 from attrs import define, field
 
 from kvoffload.spec.config import Config, UnknownRequestError
-from kvoffload.spec.types import Copy, Event, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput
+from kvoffload.spec.types import (Copy, Event, RequestView, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput,
+                                  key_index, offload_keys)
 
 from .tier import OffloadTier
 
 
 @define(slots=True)
 class RequestState:
-    request: Any
-    blocks: list[int] = field(factory=list)
-    cursor: int = 0  # offload blocks already offered to the tier
-    jobs: int = 0  # transfers built and not yet completed
-    stores: int = 0  # of which stores
+    request: RequestView
+    block_table: list[int] = field(factory=list)
+    cursor: int = 0  # the store cursor: offload blocks already offered to the tier
+    unfinished: int = 0  # transfers built and not yet reported by every worker
+    unfinished_stores: int = 0  # of which stores
     allocated: bool = False  # blocks were allocated at least once (a lookup alone tracks nothing)
 
 
 @define(slots=True)
-class TransferSpec:
+class Transfer:
+    """One request's copies in one direction, built by the scheduler side; a worker submits it as a ``Job``."""
+
     job_id: int
     req_id: str
     kind: TransferKind
     keys: list[int]  # distinct, in order
     copies: list[Copy]  # (GPU block, key, index of that GPU block inside its offload block)
-    rows: list[int]  # host row of each copy
+    host_rows: list[int]  # host row of each copy
     reports: int = 0  # workers that reported it
-    ok: bool = True  # every report so far was a success
+    success: bool = True  # every report so far was a success
 
     @property
-    def blocks(self) -> list[int]:
+    def gpu_blocks(self) -> list[int]:
         return [block for block, _key, _sub in self.copies]
 
 
@@ -52,9 +54,9 @@ class OffloadScheduler:
         self.tier = OffloadTier(config.tier_blocks, config.policy)
         self.requests: dict[str, RequestState] = {}
         self.num_workers = config.num_workers
-        self.unfinished: dict[int, TransferSpec] = {}  # built, not yet reported by every worker
-        self._loads: list[TransferSpec] = []
-        self._delayed: set[str] = set()
+        self.unfinished: dict[int, Transfer] = {}  # built, not yet reported by every worker
+        self._pending_loads: list[Transfer] = []  # for the next plan
+        self._delayed: set[str] = set()  # request_finished delayed their free since the last plan
         self._job_ids = itertools.count()
         self.counters = dict.fromkeys(("lookups", "hit_tokens", "stored_blocks", "loaded_blocks",
                                        "failed_stores", "failed_loads"), 0)
@@ -65,59 +67,60 @@ class OffloadScheduler:
             raise UnknownRequestError(f"unknown request id {req_id!r}: the connector never saw it")
         return state
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
         state = self.requests.get(request.req_id)
         if state is None:
             state = self.requests[request.req_id] = RequestState(request)
         self.counters["lookups"] += 1
-        if state.jobs:
+        if state.unfinished:
             return 0, False  # no load while this request's stores are in flight
         hashes, k, size = request.block_hashes, self.k, self.offload_size
         first = j = num_computed_tokens // size
         limit = (request.num_tokens - 1) // size
-        while j < limit and self.tier.is_ready(hashes[j * k + k - 1]):
-            j += 1
+        key = key_index(first, k)  # then each offload block's key is k hashes further
+        while j < limit and self.tier.is_ready(hashes[key]):
+            j, key = j + 1, key + k
         if j == first:
             return 0, False
         return j * size - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
         state = self._state(request.req_id)
-        state.blocks, state.cursor, state.allocated = list(block_ids), 0, True
+        state.block_table, state.cursor, state.allocated = list(block_ids), 0, True
         self.counters["hit_tokens"] += num_external_tokens  # counted once the engine commits to the load
         if num_external_tokens:
             first = request.num_computed_tokens // self.block_size
             end = (request.num_computed_tokens + num_external_tokens) // self.block_size
-            k, hashes, base = self.k, request.block_hashes, first // self.k
-            keys = [hashes[j * k + k - 1] for j in range(base, end // k)]
+            k, base = self.k, first // self.k
+            keys = offload_keys(request.block_hashes, k, base, end // k)
             slots = self.tier.prepare_load(keys)
             copies = [(block_ids[p], keys[p // k - base], p % k) for p in range(first, end)]
-            rows = [slots[p // k - base] * k + p % k for p in range(first, end)]
-            self._loads.append(self._transfer(state, "load", keys, copies, rows))
+            host_rows = [slots[p // k - base] * k + p % k for p in range(first, end)]
+            self._pending_loads.append(self._new_transfer(state, "load", keys, copies, host_rows))
 
-    def _transfer(self, state: RequestState, kind: TransferKind, keys: list[int], copies: list[Copy],
-                  rows: list[int]) -> TransferSpec:
-        spec = TransferSpec(next(self._job_ids), state.request.req_id, kind, keys, copies, rows)
-        self.unfinished[spec.job_id] = spec
-        state.jobs += 1
-        state.stores += kind == "store"
-        return spec
+    def _new_transfer(self, state: RequestState, kind: TransferKind, keys: list[int], copies: list[Copy],
+                      host_rows: list[int]) -> Transfer:
+        transfer = Transfer(next(self._job_ids), state.request.req_id, kind, keys, copies, host_rows)
+        self.unfinished[transfer.job_id] = transfer
+        state.unfinished += 1
+        state.unfinished_stores += kind == "store"
+        return transfer
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
-        plan = TransferPlan(self._loads, delayed=frozenset(self._delayed))
-        self._loads, self._delayed = [], set()
+        plan = TransferPlan(self._pending_loads, delayed=frozenset(self._delayed))
+        self._pending_loads, self._delayed = [], set()
         for req_id in scheduler_output.preempted_req_ids:
             state = self.requests.get(req_id)
             if state is not None:  # else it finished since it was preempted
-                state.blocks, state.cursor = [], 0
+                state.block_table, state.cursor = [], 0
         requests, size = self.requests, self.offload_size
         for sched in scheduler_output.scheduled:  # the hot loop: most requests only decode a token
             state = requests.get(sched.req_id) or self._state(sched.req_id)
             if sched.kind == "running":
                 if sched.block_ids:
-                    state.blocks += sched.block_ids
+                    state.block_table += sched.block_ids
             else:
-                state.blocks, state.cursor = list(sched.block_ids or ()), 0
+                state.block_table, state.cursor = list(sched.block_ids or ()), 0
             full = (sched.num_computed_tokens + sched.num_scheduled_tokens) // size
             if full > state.cursor:
                 store = self._store(state, full)
@@ -125,55 +128,54 @@ class OffloadScheduler:
                     plan.stores.append(store)
         return plan
 
-    def _store(self, state: RequestState, full: int) -> TransferSpec | None:
+    def _store(self, state: RequestState, full: int) -> Transfer | None:
         """Offer offload blocks [cursor, full) to the tier, as far as their keys exist (tokens the engine has
         seen); a transfer for those it accepts."""
-        k, hashes, first = self.k, state.request.block_hashes, state.cursor
-        full = min(full, len(hashes) // k)
-        if full <= first:
+        k, first = self.k, state.cursor
+        keys = offload_keys(state.request.block_hashes, k, first, full)
+        if not keys:
             return None
-        state.cursor = full
-        keys = [hashes[j * k + k - 1] for j in range(first, full)]
+        state.cursor = first + len(keys)
         slots = self.tier.prepare_store(keys)
         if not slots:  # None: refused, this request only; {}: all present
             return None
-        table, copies, rows = state.blocks, [], []
+        table, copies, host_rows = state.block_table, [], []
         for j, key in enumerate(keys, start=first):
             slot = slots.get(key)
             if slot is not None:
                 for sub in range(k):
                     copies.append((table[j * k + sub], key, sub))
-                    rows.append(slot * k + sub)
-        return self._transfer(state, "store", list(slots), copies, rows)
+                    host_rows.append(slot * k + sub)
+        return self._new_transfer(state, "store", list(slots), copies, host_rows)
 
     def update_connector_output(self, output: WorkerOutput) -> None:
         for job_id, success in output.job_results:
-            spec = self.unfinished.get(job_id)
-            if spec is None:
+            transfer = self.unfinished.get(job_id)
+            if transfer is None:
                 raise UnknownRequestError(f"completion for unknown job {job_id}")
-            spec.reports += 1
-            spec.ok &= success
-            if spec.reports < self.num_workers:
+            transfer.reports += 1
+            transfer.success &= success
+            if transfer.reports < self.num_workers:
                 continue  # every worker copies its own shard: done once all of them are
             del self.unfinished[job_id]
-            success = spec.ok
-            state = self.requests.get(spec.req_id)
+            success = transfer.success
+            state = self.requests.get(transfer.req_id)
             if state is not None:
-                state.jobs -= 1
-                state.stores -= spec.kind == "store"
-            if spec.kind == "store":
-                self.tier.complete_store(spec.keys, success)
-                self.counters["stored_blocks" if success else "failed_stores"] += len(spec.copies)
+                state.unfinished -= 1
+                state.unfinished_stores -= transfer.kind == "store"
+            if transfer.kind == "store":
+                self.tier.complete_store(transfer.keys, success)
+                self.counters["stored_blocks" if success else "failed_stores"] += len(transfer.copies)
             else:
-                self.tier.complete_load(spec.keys, success)
-                self.counters["loaded_blocks" if success else "failed_loads"] += len(spec.copies)
+                self.tier.complete_load(transfer.keys, success)
+                self.counters["loaded_blocks" if success else "failed_loads"] += len(transfer.copies)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+    def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
         state = self._state(request.req_id)
         del self.requests[request.req_id]
-        if state.stores:  # stores still read its blocks (a load in flight: the engine holds them itself)
+        if state.unfinished_stores:  # stores still read its blocks (a load in flight: the engine holds them itself)
             self._delayed.add(request.req_id)
-        return state.stores > 0
+        return state.unfinished_stores > 0
 
     def reset_cache(self) -> bool:
         """After a weight update: nothing stored so far may be served again."""

@@ -1,13 +1,14 @@
 """The shadow monitor: the spec connector runs beside the production connector inside a real engine.
 
 It is fed exactly the calls the production connector gets. After every call it requires the same answers and the
-same observable state (tracked tables, cursors, tier, transfers), and after every batch it requires both tracked
-tables to equal the engine's own block tables. A divergence is reported once, with the step, the request and both
+same observable state (block tables, cursors, tier, unfinished transfers), and after every batch it requires both
+connectors' block tables to equal the engine's own. A divergence is reported once, with the step, the request and both
 views; the engine keeps running on the production connector either way.
 
 One empty engine table is vLLM's own behaviour, not a divergence: after a failed load under
 ``kv_load_failure_policy="recompute"``, vLLM frees the request's blocks without telling the connector
-(``_update_waiting_for_remote_kv``) and allocates afresh at its next admission, which resets the tracked table.
+(``_update_waiting_for_remote_kv``) and allocates afresh at its next admission, which resets the connector's block
+table.
 """
 
 from __future__ import annotations
@@ -86,10 +87,10 @@ class ShadowMonitor:
                 self._diverged(f"request {req_id}: engine block table {list(engine)}, connector {list(table)}")
 
     def results(self, output: WorkerOutput) -> None:
-        for job_id, ok in output.job_results:
-            job = self.spec.jobs.get(job_id)
-            if not ok and job is not None and job.kind == "load":
-                self.load_failed.add(job.req_id)
+        for job_id, success in output.job_results:
+            transfer = self.spec.unfinished.get(job_id)
+            if not success and transfer is not None and transfer.kind == "load":
+                self.load_failed.add(transfer.req_id)
         self.spec.update_connector_output(output)
         self._same_state("update_connector_output")
 

@@ -174,11 +174,11 @@ class InlineExecutor:
         start = time.perf_counter()
         try:
             job.run()
-            ok = True
+            success = True
         except Exception:  # noqa: BLE001 - any copy failure becomes success=False
-            ok = False
+            success = False
         self.seconds[job.kind] += time.perf_counter() - start
-        self.done.append((job.job_id, ok))
+        self.done.append((job.job_id, success))
 
     def flush(self, job_ids: set[int]) -> None:
         pass  # everything already ran
@@ -207,24 +207,24 @@ class CudaStreamExecutor:
             start.record(stream)
             try:
                 job.run()
-                ok = True
+                success = True
             except Exception:  # noqa: BLE001 - a failed launch is a failed transfer
-                ok = False
+                success = False
             end.record(stream)
-        self.in_flight.append((job, start, end, ok))
+        self.in_flight.append((job, start, end, success))
 
     def flush(self, job_ids: set[int]) -> None:
-        for job, _start, end, _ok in self.in_flight:
+        for job, _start, end, _success in self.in_flight:
             if job.job_id in job_ids:
                 end.synchronize()
 
     def poll(self) -> list[tuple[int, bool]]:
         done, pending = [], []
         for item in self.in_flight:
-            job, start, end, ok = item
+            job, start, end, success = item
             if end.query():
                 self.seconds[job.kind] += start.elapsed_time(end) / 1000
-                done.append((job.job_id, ok))
+                done.append((job.job_id, success))
             else:
                 pending.append(item)
         self.in_flight = pending

@@ -107,11 +107,12 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
                 cast(Any, self.counters[name]).labels(*labels).inc(value)  # vLLM's Counter class: it has inc()
 
 
-class RequestView:
-    """What the connector reads from a vLLM ``Request``. ``num_computed_tokens`` is the local prefix hit the
-    scheduler offered at lookup: vLLM updates the request's own count only after ``update_state_after_alloc``.
-    ``uncommitted_hit`` is that hit until an allocation commits it: an admission whose allocation fails is looked
-    up again next step, and only the admission that gets its blocks reuses the tokens."""
+class VllmRequestView:
+    """A vLLM ``Request`` as the spec's ``RequestView`` (its timing rule is written there). ``num_computed_tokens``
+    is the local prefix hit the scheduler offered at lookup: vLLM updates the request's own count only after
+    ``update_state_after_alloc``. ``uncommitted_hit`` is that hit until an allocation commits it: an admission
+    whose allocation fails is looked up again next step, and only the admission that gets its blocks reuses the
+    tokens."""
 
     __slots__ = ("request", "num_computed_tokens", "uncommitted_hit")
 
@@ -193,7 +194,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
         self.shadow = ShadowMonitor(self.config, self.offload, self._engine_table) if extra.get("verify") else None
         self.kv_cache_manager: Any = None
         self.logged = dict.fromkeys(COUNTERS, 0)  # counters at the last get_kv_connector_stats
-        self.views: dict[str, RequestView] = {}
+        self.views: dict[str, VllmRequestView] = {}
         self.job_results: list[tuple[int, bool]] = []
         # scheduler side: what the workers moved (totals), and GPU prefix hits the engine admitted
         self.moved: dict[str, float] = dict.fromkeys((*MOVED, "engine_hit_tokens"), 0)
@@ -212,10 +213,10 @@ class KVOffloadConnector(KVConnectorBase_V1):
         except (KeyError, IndexError):
             return None
 
-    def _view(self, request: Any) -> RequestView:
+    def _view(self, request: Any) -> VllmRequestView:
         view = self.views.get(request.request_id)
         if view is None:
-            view = self.views[request.request_id] = RequestView(request)
+            view = self.views[request.request_id] = VllmRequestView(request)
         return view
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:

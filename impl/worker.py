@@ -10,7 +10,7 @@ import numpy as np
 from kvoffload.spec.config import Config, registered
 from kvoffload.spec.types import Job, TransferPlan, WorkerOutput
 
-from .scheduler import TransferSpec
+from .scheduler import Transfer
 from .transfer import Copier, CudaStreamExecutor, HostPool, InlineExecutor, block_views
 
 
@@ -19,11 +19,11 @@ class OffloadWorker:
         self.config = config
         self._copier: Copier | None = None  # set by register_kv_caches
         self.executor: Any = None
-        self.submitted: dict[int, TransferSpec] = {}
+        self.submitted: dict[int, Transfer] = {}  # submitted, not yet polled
         self.pending: Counter[str] = Counter()  # request -> transfers submitted, not yet reported
         self.stores_of: dict[str, set[int]] = {}  # request -> store job ids in flight (for preemption flushes)
-        self.draining: set[str] = set()  # finished requests whose transfers are still in flight
-        self.invalid_blocks: set[int] = set()
+        self.draining: set[str] = set()  # finished requests whose transfers have not all completed
+        self.load_errors: set[int] = set()  # GPU blocks of failed loads, not yet reported
         self.bytes = {"store": 0, "load": 0}
 
     def register_kv_caches(self, kv: Any, executor: Any = None) -> None:
@@ -46,49 +46,49 @@ class OffloadWorker:
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
         self.draining |= metadata.delayed
-        for spec in metadata.loads:
-            self._submit(spec)
+        for load in metadata.loads:
+            self._submit(load)
 
     def wait_for_save(self, metadata: TransferPlan) -> None:
-        for spec in metadata.stores:
-            self._submit(spec)
+        for store in metadata.stores:
+            self._submit(store)
 
-    def _submit(self, spec: TransferSpec) -> None:
-        blocks = np.fromiter(spec.blocks, dtype=np.int64, count=len(spec.copies))
+    def _submit(self, transfer: Transfer) -> None:
+        blocks = np.fromiter(transfer.gpu_blocks, dtype=np.int64, count=len(transfer.copies))
         self.copier.check(blocks)
-        run = self.copier.plan(spec.kind, blocks, np.asarray(spec.rows, dtype=np.int64))
-        self.submitted[spec.job_id] = spec
-        self.pending[spec.req_id] += 1
-        if spec.kind == "store":
-            self.stores_of.setdefault(spec.req_id, set()).add(spec.job_id)
-        self.executor.submit(Job(spec.job_id, spec.req_id, spec.kind, tuple(spec.copies), run))
+        run = self.copier.plan(transfer.kind, blocks, np.asarray(transfer.host_rows, dtype=np.int64))
+        self.submitted[transfer.job_id] = transfer
+        self.pending[transfer.req_id] += 1
+        if transfer.kind == "store":
+            self.stores_of.setdefault(transfer.req_id, set()).add(transfer.job_id)
+        self.executor.submit(Job(transfer.job_id, transfer.req_id, transfer.kind, tuple(transfer.copies), run))
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
         results = self.executor.poll()
         recving = set()
         for job_id, success in results:
-            spec = self.submitted.pop(job_id)
-            self._forget(spec)
-            if spec.kind == "load":
-                recving.add(spec.req_id)
+            transfer = self.submitted.pop(job_id)
+            self._forget(transfer)
+            if transfer.kind == "load":
+                recving.add(transfer.req_id)
                 if not success:
-                    self.invalid_blocks.update(spec.blocks)
+                    self.load_errors.update(transfer.gpu_blocks)
             if success:
-                self.bytes[spec.kind] += len(spec.copies) * self.copier.pool.row_bytes
+                self.bytes[transfer.kind] += len(transfer.copies) * self.copier.pool.row_bytes
         sending = {r for r in self.draining if not self.pending[r]}
         self.draining -= sending
         return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results))
 
-    def _forget(self, spec: TransferSpec) -> None:
-        self.pending[spec.req_id] -= 1
-        if not self.pending[spec.req_id]:
-            del self.pending[spec.req_id]
-        if spec.kind == "store":
-            jobs = self.stores_of[spec.req_id]
-            jobs.discard(spec.job_id)
-            if not jobs:
-                del self.stores_of[spec.req_id]
+    def _forget(self, transfer: Transfer) -> None:
+        self.pending[transfer.req_id] -= 1
+        if not self.pending[transfer.req_id]:
+            del self.pending[transfer.req_id]
+        if transfer.kind == "store":
+            stores = self.stores_of[transfer.req_id]
+            stores.discard(transfer.job_id)
+            if not stores:
+                del self.stores_of[transfer.req_id]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        invalid, self.invalid_blocks = self.invalid_blocks, set()
-        return invalid
+        errors, self.load_errors = self.load_errors, set()
+        return errors

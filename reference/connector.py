@@ -15,14 +15,17 @@ from attrs import define
 
 from kvoffload.spec.config import BlockIdError, Config, ConfigError, UnknownRequestError, registered
 from kvoffload.spec.types import (OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Copy, Event, Job, Observation,
-                                  SchedulerOutput, TransferKind, TransferPlan, WorkerOutput)
-from kvoffload.spec.world import Executor, Request
+                                  RequestView, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput,
+                                  offload_keys)
+from kvoffload.spec.world import Executor
 
 from .tier import LRUTier
 
 
 @define
 class Transfer:
+    """One request's copies in one direction, built by the scheduler side; a worker submits it as a ``Job``."""
+
     job_id: int
     req_id: str
     kind: TransferKind
@@ -65,12 +68,12 @@ class ReferenceConnector:
         self.config = config
         # scheduler side
         self.tier = self.tier_class(config.tier_blocks)
-        self._requests: dict[str, Request] = {}
-        self._block_ids: dict[str, list[int]] = {}
-        self._next_stored: dict[str, int] = {}  # the store cursor, in offload blocks
+        self._requests: dict[str, RequestView] = {}
+        self._block_tables: dict[str, list[int]] = {}
+        self._cursors: dict[str, int] = {}  # the store cursor, in offload blocks
         self._unfinished: dict[int, Transfer] = {}  # built, not yet reported by every worker
-        self._results: defaultdict[int, list[bool]] = defaultdict(list)  # job id -> each worker's success so far
-        self._loads_to_send: list[Transfer] = []
+        self._reports: defaultdict[int, list[bool]] = defaultdict(list)  # job id -> each worker's success so far
+        self._pending_loads: list[Transfer] = []  # for the next plan
         self._delayed: set[str] = set()  # request_finished delayed their free since the last plan
         self._job_ids = itertools.count()
         # worker side
@@ -78,26 +81,25 @@ class ReferenceConnector:
         self._gpu: torch.Tensor | None = None
         self._host: torch.Tensor | None = None
         self._submitted: dict[int, Transfer] = {}
-        self._draining: set[str] = set()  # finished requests whose jobs have not all completed
-        self._invalid_blocks: set[int] = set()
+        self._draining: set[str] = set()  # finished requests whose transfers have not all completed
+        self._load_errors: set[int] = set()  # GPU blocks of failed loads, not yet reported
 
     # ================= scheduler side =================
-    def _keys(self, req: Request) -> list[int]:
-        k = self.config.k
-        return req.block_hashes[k - 1::k]
+    def _keys(self, req: RequestView) -> list[int]:
+        return offload_keys(req.block_hashes, self.config.k)
 
-    def _request(self, req_id: str) -> Request:
+    def _request(self, req_id: str) -> RequestView:
         try:
             return self._requests[req_id]
         except KeyError:
             raise UnknownRequestError(f"unknown request id {req_id!r}: the connector never saw it") from None
 
-    def _has_jobs(self, req_id: str) -> bool:
+    def _has_transfers(self, req_id: str) -> bool:
         return any(t.req_id == req_id for t in self._unfinished.values())
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
         self._requests[request.req_id] = request
-        if self._has_jobs(request.req_id):
+        if self._has_transfers(request.req_id):
             return 0, False  # a load must not overlap this request's stores
         size = self.config.offload_block_size
         first = num_computed_tokens // size
@@ -107,10 +109,10 @@ class ReferenceConnector:
             return 0, False
         return (first + hits) * size - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
         req_id = self._request(request.req_id).req_id
-        self._block_ids[req_id] = list(block_ids)
-        self._next_stored[req_id] = 0
+        self._block_tables[req_id] = list(block_ids)
+        self._cursors[req_id] = 0
         if num_external_tokens == 0:
             return
         bs, k = self.config.block_size, self.config.k
@@ -123,26 +125,26 @@ class ReferenceConnector:
             key = self._keys(request)[i // k]
             copies.append((block_ids[i], key, i % k))
             rows.append(slots[key] * k + i % k)
-        self._loads_to_send.append(self._transfer(req_id, "load", copies, rows))
+        self._pending_loads.append(self._new_transfer(req_id, "load", copies, rows))
 
-    def _transfer(self, req_id: str, kind: TransferKind, copies: list[Copy], rows: list[int]) -> Transfer:
+    def _new_transfer(self, req_id: str, kind: TransferKind, copies: list[Copy], rows: list[int]) -> Transfer:
         transfer = Transfer(next(self._job_ids), req_id, kind, tuple(copies), tuple(rows))
         self._unfinished[transfer.job_id] = transfer
         return transfer
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
-        plan = TransferPlan(loads=self._loads_to_send, delayed=frozenset(self._delayed))
-        self._loads_to_send, self._delayed = [], set()
+        plan = TransferPlan(loads=self._pending_loads, delayed=frozenset(self._delayed))
+        self._pending_loads, self._delayed = [], set()
         for req_id in scheduler_output.preempted_req_ids:
-            if req_id in self._block_ids:  # else it finished since it was preempted
-                self._block_ids[req_id] = []
+            if req_id in self._block_tables:  # else it finished since it was preempted
+                self._block_tables[req_id] = []
                 self._rewind(req_id)
         self._collect_stores(scheduler_output, plan)
         return plan
 
     def _collect_stores(self, scheduler_output: SchedulerOutput, plan: TransferPlan) -> None:
         for sched in scheduler_output.scheduled:
-            self._update_block_ids(sched)
+            self._update_block_table(sched)
             keys, first = self._storable_keys(sched)
             slots = self.tier.prepare_store(keys)
             if slots is None:
@@ -150,54 +152,54 @@ class ReferenceConnector:
             if slots:
                 plan.stores.append(self._store_transfer(sched.req_id, first, keys, slots))
 
-    def _update_block_ids(self, sched) -> None:
+    def _update_block_table(self, sched) -> None:
         self._request(sched.req_id)
         if sched.kind == "running":
-            self._block_ids[sched.req_id].extend(sched.block_ids or ())
+            self._block_tables[sched.req_id].extend(sched.block_ids or ())
         else:  # new or resumed: the whole table
-            self._block_ids[sched.req_id] = list(sched.block_ids)
+            self._block_tables[sched.req_id] = list(sched.block_ids)
             self._rewind(sched.req_id)
 
     def _rewind(self, req_id: str) -> None:
-        self._next_stored[req_id] = 0
+        self._cursors[req_id] = 0
 
     def _storable_keys(self, sched) -> tuple[list[int], int]:
         """Keys of the offload blocks full after this step that the cursor has not passed; moves the cursor."""
         keys = self._keys(self._requests[sched.req_id])  # only blocks whose tokens the engine has seen have one
         full = min((sched.num_computed_tokens + sched.num_scheduled_tokens) // self.config.offload_block_size,
                    len(keys))
-        first = self._next_stored[sched.req_id]
-        self._next_stored[sched.req_id] = max(first, full)
+        first = self._cursors[sched.req_id]
+        self._cursors[sched.req_id] = max(first, full)
         return keys[first:full], first
 
     def _store_transfer(self, req_id: str, first: int, keys: list[int], slots: dict[int, int]) -> Transfer:
-        k, table = self.config.k, self._block_ids[req_id]
+        k, table = self.config.k, self._block_tables[req_id]
         copies, rows = [], []
         for j, key in enumerate(keys, start=first):
             if key in slots:
                 for sub in range(k):
                     copies.append((table[j * k + sub], key, sub))
                     rows.append(slots[key] * k + sub)
-        return self._transfer(req_id, "store", copies, rows)
+        return self._new_transfer(req_id, "store", copies, rows)
 
     def update_connector_output(self, output: WorkerOutput) -> None:
         for job_id, success in output.job_results:
             if job_id not in self._unfinished:
                 raise UnknownRequestError(f"completion for unknown job {job_id}")
-            self._results[job_id].append(success)
-            if len(self._results[job_id]) < self.config.num_workers:
+            self._reports[job_id].append(success)
+            if len(self._reports[job_id]) < self.config.num_workers:
                 continue  # every worker copies its own shard of the blocks
-            transfer, success = self._unfinished.pop(job_id), all(self._results.pop(job_id))
+            transfer, success = self._unfinished.pop(job_id), all(self._reports.pop(job_id))
             if transfer.kind == "store":
                 self.tier.complete_store(transfer.keys, success)
             else:
                 self.tier.complete_load(transfer.keys, success)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
         req_id = self._request(request.req_id).req_id
         del self._requests[req_id]
-        self._block_ids.pop(req_id, None)
-        self._next_stored.pop(req_id, None)
+        self._block_tables.pop(req_id, None)
+        self._cursors.pop(req_id, None)
         if any(t.req_id == req_id and t.kind == "store" for t in self._unfinished.values()):
             self._delayed.add(req_id)  # stores still read its blocks
             return True
@@ -266,20 +268,20 @@ class ReferenceConnector:
             if transfer.kind == "load":
                 recving.add(transfer.req_id)
                 if not success:
-                    self._invalid_blocks.update(b for b, _key, _sub in transfer.copies)
+                    self._load_errors.update(b for b, _key, _sub in transfer.copies)
         sending = {r for r in self._draining if pending[r] == 0}
         self._draining -= sending
         return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        invalid, self._invalid_blocks = self._invalid_blocks, set()
-        return invalid
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     # ================= for the conformance kit =================
     def observe(self) -> Observation:
         return Observation(
-            tracked={r: tuple(b) for r, b in self._block_ids.items()},
-            cursors=dict(self._next_stored),
+            tracked={r: tuple(b) for r, b in self._block_tables.items()},
+            cursors=dict(self._cursors),
             tier=tuple((key, slot.ready, slot.refs) for key, slot in self.tier.slots.items()),
             jobs=tuple(sorted((t.req_id, t.kind, t.copies) for t in self._unfinished.values())),
         )

@@ -9,8 +9,8 @@ from .config import BlockIdError, Config, ConfigError, UnknownRequestError, regi
 from .connector import SpecConnector
 from .invariants import SPEC_VERSION, Violation
 from .types import (CAPABILITIES, CONNECTOR_METHODS, FENCED_FREES, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES,
-                    Adapter, Connector, Copy, Event, GpuKV, Job, Key, Observation, ScheduledRequest, SchedulerOutput,
-                    TransferKind, TransferPlan, WorkerOutput)
+                    Adapter, Connector, Copy, Event, GpuKV, Job, Key, Observation, RequestView, ScheduledRequest,
+                    SchedulerOutput, TransferKind, TransferPlan, WorkerOutput, key_index, offload_keys)
 from .world import GARBAGE, Executor, ListKV, Request, State, World
 
 __all__ = [
@@ -18,7 +18,7 @@ __all__ = [
     "TRANSFER_FAILURES",
     "Adapter",
     "SPEC_VERSION", "BlockIdError", "Config", "ConfigError", "Connector", "Copy", "Event", "Executor", "GpuKV", "Job",
-    "Key", "ListKV", "Observation", "Request", "ScheduledRequest", "SchedulerOutput", "SpecConnector", "State",
-    "TransferKind", "TransferPlan", "UnknownRequestError", "Violation", "WorkerOutput", "World",
-    "registered",
+    "Key", "ListKV", "Observation", "Request", "RequestView", "ScheduledRequest", "SchedulerOutput", "SpecConnector",
+    "State", "TransferKind", "TransferPlan", "UnknownRequestError", "Violation", "WorkerOutput", "World",
+    "key_index", "offload_keys", "registered",
 ]

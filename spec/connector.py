@@ -3,23 +3,23 @@
 Scheduler side
   * lookup: count ready tier entries from the first offload block not already on the GPU, leaving at least one
     token to compute; no hit for a request that still has transfers in flight.
-  * after alloc: remember the block table; a hit becomes one load job (pins its entries).
+  * after alloc: remember the block table; a hit becomes one load transfer (pins its entries).
   * each batch: update every request's block table first (new / resumed: replace; running: append the step's
-    new ids), then offer the offload blocks that are full after this step *and hashed* (under async scheduling and
-    speculative decoding the scheduled tokens run ahead of the tokens the engine has seen), from the request's store
-    cursor on. A refused store skips *that request only*; the cursor still moves past what was offered.
+    new ids), then offer the offload blocks that are full after this step *and hashed* (the timing rule of
+    ``RequestView``; the key rule is ``key_index``), from the request's store cursor on. A refused store skips
+    *that request only*; the cursor still moves past what was offered.
   * preemption and resumption rewind the cursor to 0 (prepare_store skips what is really stored).
   * request_finished: delay the free iff the request has a store in flight (a load in flight keeps the blocks
     anyway: the engine waits for finished_recving); forget the request either way. The next step's metadata names
     the delayed requests, so the worker knows which ones to report when drained.
-  * a job is complete once every worker reported it (tensor parallelism: each holds a shard of every block); it
-    succeeded only if every worker's part did. A failed load makes its entries stale (never offered again).
+  * a transfer is complete once every worker reported it (tensor parallelism: each holds a shard of every block);
+    it succeeded only if every worker's part did. A failed load makes its entries stale (never offered again).
   * reset_cache (a weight update): every entry goes stale; stores in flight never become loadable.
 
 Worker side
   * loads are submitted in start_load_kv, stores in wait_for_save (after the forward pass wrote the blocks);
   * preemption flushes the preempted requests' stores before their blocks are reused;
-  * a delayed request is reported in finished_sending once its jobs drained;
+  * a delayed request drains: it is reported in finished_sending once its transfers completed;
   * a failed load's GPU blocks are reported by get_block_ids_with_load_errors.
 """
 
@@ -34,12 +34,14 @@ from attrs import define, field
 from .config import Config, UnknownRequestError, registered
 from .tier import Tier
 from .types import (OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Copy, Event, Job, Key, Observation,
-                    SchedulerOutput, TransferKind, TransferPlan, WorkerOutput)
-from .world import Executor, ListKV, Request
+                    RequestView, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput, offload_keys)
+from .world import Executor, ListKV
 
 
 @define
-class JobSpec:
+class Transfer:
+    """One request's copies in one direction, built by the scheduler side; a worker submits it as a ``Job``."""
+
     job_id: int
     req_id: str
     kind: TransferKind
@@ -50,114 +52,111 @@ class JobSpec:
         return list(dict.fromkeys(key for _b, key, _s in self.copies))
 
 
-def offload_keys(req: Request, config: Config) -> list[Key]:
-    """One key per full offload block: the hash of its last GPU block (the chain covers the whole prefix)."""
-    return req.block_hashes[config.k - 1::config.k]
-
-
 @define
 class SpecConnector:
     capabilities: ClassVar[frozenset[str]] = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET})
     config: Config
     tier: Tier = field()
-    requests: dict[str, Request] = field(factory=dict)
-    tracked: dict[str, list[int]] = field(factory=dict)
-    cursors: dict[str, int] = field(factory=dict)
-    jobs: dict[int, JobSpec] = field(factory=dict)  # scheduler's view: built, not yet reported by every worker
+    requests: dict[str, RequestView] = field(factory=dict)
+    block_tables: dict[str, list[int]] = field(factory=dict)
+    cursors: dict[str, int] = field(factory=dict)  # the store cursor, in offload blocks
+    unfinished: dict[int, Transfer] = field(factory=dict)  # built, not yet reported by every worker
     reports: Counter[int] = field(factory=Counter)  # job id -> workers that reported it
-    failed: set[int] = field(factory=set)  # jobs some worker reported as failed
-    pending_loads: list[JobSpec] = field(factory=list)
-    delayed: set[str] = field(factory=set)
+    failed: set[int] = field(factory=set)  # transfers some worker reported as failed
+    pending_loads: list[Transfer] = field(factory=list)  # for the next plan
+    delayed: set[str] = field(factory=set)  # request_finished delayed their free since the last plan
     next_job_id: int = 0
     # worker side (kv and executor: set by register_kv_caches)
     _kv: ListKV | None = None
     _executor: Executor | None = None
     tier_bytes: dict[tuple[Key, int], int] = field(factory=dict)  # (key, GPU block index in it) -> content
-    in_flight: dict[int, JobSpec] = field(factory=dict)  # worker's view: submitted, not yet polled
-    finishing: set[str] = field(factory=set)
-    load_errors: set[int] = field(factory=set)
+    submitted: dict[int, Transfer] = field(factory=dict)  # worker's view: submitted, not yet polled
+    draining: set[str] = field(factory=set)  # finished requests whose transfers have not all completed
+    load_errors: set[int] = field(factory=set)  # GPU blocks of failed loads, not yet reported
 
     @tier.default
     def _tier(self) -> Tier:
         return Tier.with_policy(self.config.policy, self.config.tier_blocks)
 
     # ---- scheduler side ------------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
         self.requests[request.req_id] = request
-        if any(job.req_id == request.req_id for job in self.jobs.values()):
+        if any(t.req_id == request.req_id for t in self.unfinished.values()):
             return 0, False
         per = self.config.offload_block_size
         start, limit = num_computed_tokens // per, (request.num_tokens - 1) // per
-        hits = self.tier.lookup(offload_keys(request, self.config)[start:limit])
+        hits = self.tier.lookup(offload_keys(request.block_hashes, self.config.k, start, limit))
         return ((start + hits) * per - num_computed_tokens, True) if hits else (0, False)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
         req = self._known(request.req_id)
-        self.tracked[req.req_id], self.cursors[req.req_id] = list(block_ids), 0
+        self.block_tables[req.req_id], self.cursors[req.req_id] = list(block_ids), 0
         if num_external_tokens:
             bs, k = self.config.block_size, self.config.k
-            keys = offload_keys(req, self.config)
+            keys = offload_keys(req.block_hashes, k)
             first, end = req.num_computed_tokens // bs, (req.num_computed_tokens + num_external_tokens) // bs
-            job = self._new_job(req.req_id, "load", [(block_ids[i], keys[i // k], i % k) for i in range(first, end)])
-            self.tier.prepare_load(job.keys)
-            self.pending_loads.append(job)
+            copies = [(block_ids[i], keys[i // k], i % k) for i in range(first, end)]
+            load = self._new_transfer(req.req_id, "load", copies)
+            self.tier.prepare_load(load.keys)
+            self.pending_loads.append(load)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
         meta = TransferPlan(self.pending_loads, [], frozenset(self.delayed))
         self.pending_loads, self.delayed = [], set()
-        for req_id in scheduler_output.preempted_req_ids & self.tracked.keys():  # it may have finished since
-            self.tracked[req_id], self.cursors[req_id] = [], 0
+        for req_id in scheduler_output.preempted_req_ids & self.block_tables.keys():  # it may have finished since
+            self.block_tables[req_id], self.cursors[req_id] = [], 0
         for s in scheduler_output.scheduled:
             req = self._known(s.req_id)
             if s.kind == "running":
-                self.tracked[s.req_id] += s.block_ids or ()
+                self.block_tables[s.req_id] += s.block_ids or ()
             else:
-                self.tracked[s.req_id], self.cursors[s.req_id] = list(s.block_ids or ()), 0
-            job = self._store(req, (s.num_computed_tokens + s.num_scheduled_tokens) // self.config.offload_block_size)
-            if job:
-                meta.stores.append(job)
+                self.block_tables[s.req_id], self.cursors[s.req_id] = list(s.block_ids or ()), 0
+            store = self._store(req, (s.num_computed_tokens + s.num_scheduled_tokens) // self.config.offload_block_size)
+            if store:
+                meta.stores.append(store)
         return meta
 
-    def _store(self, req: Request, full: int) -> JobSpec | None:
-        """Offer offload blocks [cursor, full) to the tier, as far as their keys exist; a job for those it accepts."""
-        keys = offload_keys(req, self.config)
+    def _store(self, req: RequestView, full: int) -> Transfer | None:
+        """Offer offload blocks [cursor, full) to the tier, as far as their keys exist; a transfer for those it
+        accepts."""
+        keys = offload_keys(req.block_hashes, self.config.k)
         full = min(full, len(keys))
         start, self.cursors[req.req_id] = self.cursors[req.req_id], max(full, self.cursors[req.req_id])
         accepted = self.tier.prepare_store(keys[start:full])
         if not accepted:  # None: refused for lack of room, skip this request only; []: all present already
             return None
-        k, table = self.config.k, self.tracked[req.req_id]
+        k, table = self.config.k, self.block_tables[req.req_id]
         copies = [(table[j * k + s], keys[j], s) for j in range(start, full) if keys[j] in accepted for s in range(k)]
-        return self._new_job(req.req_id, "store", copies)
+        return self._new_transfer(req.req_id, "store", copies)
 
-    def _new_job(self, req_id: str, kind: TransferKind, copies: list[Copy]) -> JobSpec:
-        job = JobSpec(self.next_job_id, req_id, kind, tuple(copies))
+    def _new_transfer(self, req_id: str, kind: TransferKind, copies: list[Copy]) -> Transfer:
+        transfer = Transfer(self.next_job_id, req_id, kind, tuple(copies))
         self.next_job_id += 1
-        self.jobs[job.job_id] = job
-        return job
+        self.unfinished[transfer.job_id] = transfer
+        return transfer
 
     def update_connector_output(self, output: WorkerOutput) -> None:
-        for job_id, ok in output.job_results:
-            if job_id not in self.jobs:
+        for job_id, success in output.job_results:
+            if job_id not in self.unfinished:
                 raise UnknownRequestError(f"completion for unknown job {job_id}")
             self.reports[job_id] += 1
-            if not ok:
+            if not success:
                 self.failed.add(job_id)
             if self.reports[job_id] < self.config.num_workers:
                 continue
-            job, ok = self.jobs.pop(job_id), job_id not in self.failed
+            transfer, success = self.unfinished.pop(job_id), job_id not in self.failed
             del self.reports[job_id]
             self.failed.discard(job_id)
-            if job.kind == "store":
-                self.tier.complete_store(job.keys, ok)
+            if transfer.kind == "store":
+                self.tier.complete_store(transfer.keys, success)
             else:
-                self.tier.complete_load(job.keys, ok)
+                self.tier.complete_load(transfer.keys, success)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
         self._known(request.req_id)
-        for state in (self.requests, self.tracked, self.cursors):
+        for state in (self.requests, self.block_tables, self.cursors):
             state.pop(request.req_id, None)
-        delay = any(job.req_id == request.req_id and job.kind == "store" for job in self.jobs.values())
+        delay = any(t.req_id == request.req_id and t.kind == "store" for t in self.unfinished.values())
         if delay:
             self.delayed.add(request.req_id)
         return delay
@@ -170,7 +169,7 @@ class SpecConnector:
         events, self.tier.events = self.tier.events, []
         return events
 
-    def _known(self, req_id: str) -> Request:
+    def _known(self, req_id: str) -> RequestView:
         if req_id not in self.requests:
             raise UnknownRequestError(f"unknown request id {req_id!r}: the connector never saw it")
         return self.requests[req_id]
@@ -188,38 +187,38 @@ class SpecConnector:
         return registered(self._executor, "executor")
 
     def handle_preemptions(self, req_ids: frozenset[str]) -> None:
-        self.executor.flush({j.job_id for j in self.in_flight.values() if j.req_id in req_ids and j.kind == "store"})
+        self.executor.flush({t.job_id for t in self.submitted.values() if t.req_id in req_ids and t.kind == "store"})
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
-        self.finishing |= metadata.delayed
-        for job in metadata.loads:
-            self._submit(job, partial(self._copy_in, job))
+        self.draining |= metadata.delayed
+        for load in metadata.loads:
+            self._submit(load, partial(self._copy_in, load))
 
     def wait_for_save(self, metadata: TransferPlan) -> None:
-        for job in metadata.stores:
-            self._submit(job, partial(self._copy_out, job))
+        for store in metadata.stores:
+            self._submit(store, partial(self._copy_out, store))
 
-    def _copy_in(self, job: JobSpec) -> None:  # a load: tier -> GPU
-        for b, key, s in job.copies:
+    def _copy_in(self, load: Transfer) -> None:  # tier -> GPU
+        for b, key, s in load.copies:
             self.kv.write(b, self.tier_bytes[key, s])
 
-    def _copy_out(self, job: JobSpec) -> None:  # a store: GPU -> tier
-        self.tier_bytes.update({(key, s): self.kv.read(b) for b, key, s in job.copies})
+    def _copy_out(self, store: Transfer) -> None:  # GPU -> tier
+        self.tier_bytes.update({(key, s): self.kv.read(b) for b, key, s in store.copies})
 
-    def _submit(self, job: JobSpec, run: Callable[[], None]) -> None:
-        for b, _key, _s in job.copies:
+    def _submit(self, transfer: Transfer, run: Callable[[], None]) -> None:
+        for b, _key, _s in transfer.copies:
             self.kv.check(b)
-        self.in_flight[job.job_id] = job
-        self.executor.submit(Job(job.job_id, job.req_id, job.kind, job.copies, run))
+        self.submitted[transfer.job_id] = transfer
+        self.executor.submit(Job(transfer.job_id, transfer.req_id, transfer.kind, transfer.copies, run))
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
         results = self.executor.poll()
-        done = [self.in_flight.pop(job_id) for job_id, _ok in results]
-        self.load_errors |= {b for job, (_id, ok) in zip(done, results) if job.kind == "load" and not ok
-                             for b, _k, _s in job.copies}
-        busy = {j.req_id for j in self.in_flight.values()}
-        sending, self.finishing = self.finishing - busy, self.finishing & busy
-        recving = {j.req_id for j in done if j.kind == "load"}
+        done = [self.submitted.pop(job_id) for job_id, _success in results]
+        self.load_errors |= {b for t, (_id, success) in zip(done, results) if t.kind == "load" and not success
+                             for b, _k, _s in t.copies}
+        busy = {t.req_id for t in self.submitted.values()}
+        sending, self.draining = self.draining - busy, self.draining & busy
+        recving = {t.req_id for t in done if t.kind == "load"}
         return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -229,10 +228,10 @@ class SpecConnector:
     # ---- for the kit ---------------------------------------------------------------------------------------
     def observe(self) -> Observation:
         return Observation(
-            tracked={r: tuple(t) for r, t in self.tracked.items()},
+            tracked={r: tuple(t) for r, t in self.block_tables.items()},
             cursors=dict(self.cursors),
             tier=self.tier.view(),
-            jobs=tuple(sorted((j.req_id, j.kind, j.copies) for j in self.jobs.values())),
+            jobs=tuple(sorted((t.req_id, t.kind, t.copies) for t in self.unfinished.values())),
             tier_state=self.tier.policy.state(),
         )
 

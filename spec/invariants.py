@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Iterable
 
-from .types import Key, Observation, WorkerOutput
+from .types import Key, Observation, WorkerOutput, key_index
 
 if TYPE_CHECKING:
     from .kit.coverage import Coverage
@@ -112,7 +112,7 @@ def store_bytes(world: World, job: Job, kv: GpuKV) -> None:
     for block, key, sub in job.copies:
         _require(key in req.block_hashes, "SRC", f"step {world.step_no}: store job {job.job_id} of {job.req_id} "
                                                  f"stores key {key:#x}, which is not a block of that request's prefix")
-        position = req.block_hashes.index(key) - (k - 1) + sub
+        position = req.block_hashes.index(key) - key_index(0, k) + sub  # the key is its offload block's last hash
         _require(kv.holds(block, kv_content(req.block_hashes[position], job.epoch)), "SRC",
                  f"step {world.step_no}: store job {job.job_id} of {job.req_id} reads GPU block {block} for "
                  f"position {position}, but the block holds other bytes")
@@ -230,10 +230,10 @@ def completions(world: World, executor: Executor, output: WorkerOutput, load_err
     """
     polled = executor.last_polled
     reported = Counter(output.job_results)
-    expected = Counter((job.job_id, bool(job.ok)) for job in polled)
+    expected = Counter((job.job_id, bool(job.success)) for job in polled)
     _require(reported == expected, "JOBS",
              f"step {world.step_no}: worker reported {sorted(reported)}, transfers that completed {sorted(expected)}")
-    failed_load_blocks = {b for job in polled if job.kind == "load" and not job.ok for b in job.gpu_blocks}
+    failed_load_blocks = {b for job in polled if job.kind == "load" and not job.success for b in job.gpu_blocks}
     _require(load_errors == failed_load_blocks, "FAIL",
              f"step {world.step_no}: invalid blocks reported {sorted(load_errors)}, "
              f"failed loads wrote {sorted(failed_load_blocks)}")

@@ -182,12 +182,12 @@ class Tier:
             self.entries[key].refs += 1
             self.policy.touch(key)
 
-    def complete_load(self, keys: list[Key], ok: bool = True) -> None:
+    def complete_load(self, keys: list[Key], success: bool = True) -> None:
         """Unpin; a failed load makes its entries stale."""
         for key in keys:
             entry = self.entries[key]
             entry.refs -= 1
-            entry.stale |= not ok
+            entry.stale |= not success
             if entry.stale and not entry.refs:
                 self._remove([key])
 
@@ -215,9 +215,9 @@ class Tier:
             self.events.append(Event("removed", tuple(victims)))
         return fresh
 
-    def complete_store(self, keys: list[Key], ok: bool) -> None:
+    def complete_store(self, keys: list[Key], success: bool) -> None:
         """Make the reserved entries ready; a failed store, or one reset meanwhile, leaves no entry behind."""
-        stored = [key for key in keys if ok and not self.entries[key].stale]
+        stored = [key for key in keys if success and not self.entries[key].stale]
         for key in keys:
             if key in stored:
                 self.entries[key].ready = True

@@ -10,9 +10,57 @@ from typing import Any, Callable, Literal, NamedTuple, Protocol, runtime_checkab
 
 from attrs import define, field, frozen
 
-Key = int  # a tier key: the chained hash of the last GPU block of an offload block
+Key = int  # a tier key: the chained hash of the last GPU block of an offload block (``key_index``)
 Copy = tuple[int, Key, int]  # (GPU block id, tier key, index of that GPU block inside the offload block)
 TransferKind = Literal["store", "load"]  # the direction of a transfer: GPU -> tier, or tier -> GPU
+
+
+def key_index(j: int, k: int) -> int:
+    """The key rule. Offload block ``j`` of a request is GPU blocks ``j*k .. j*k + k-1`` (``k = Config.k``), and
+    it is stored and looked up under the hash of its *last* GPU block: ``block_hashes[key_index(j, k)]``. The
+    hashes chain, so that one hash names the whole prefix up to the end of the block; an offload block whose last
+    GPU block has no hash yet (see ``RequestView``) has no key, and cannot be stored or loaded."""
+    return j * k + k - 1
+
+
+def offload_keys(block_hashes: list[Key], k: int, start: int = 0, stop: int | None = None) -> list[Key]:
+    """The keys of offload blocks ``[start, stop)`` under the key rule, as far as they exist: ``stop`` defaults to
+    (and is capped at) the number of full offload blocks that are hashed. One slice: each key is ``k`` hashes
+    after the previous one."""
+    full = len(block_hashes) // k
+    stop = full if stop is None else min(stop, full)
+    return block_hashes[key_index(start, k):stop * k:k]  # the last one read is key_index(stop - 1, k)
+
+
+class RequestView(Protocol):
+    """The request as a connector reads it: vLLM's ``Request`` (through the adapter's ``VllmRequestView``), the
+    world's ``Request``. A connector reads nothing else of a request.
+
+    The timing rule, written once:
+      * ``num_tokens`` counts the tokens the engine has *seen*: the prompt and the sampled tokens delivered so far.
+        Under async scheduling a sampled token reaches the scheduler one step late; drafts never count.
+      * ``block_hashes`` has one chained hash per *full* GPU block of those ``num_tokens`` tokens, so it covers
+        only tokens the engine has seen. The scheduled tokens (``ScheduledRequest.num_computed_tokens +
+        num_scheduled_tokens``) run ahead of it under async scheduling and speculative decoding: a block full
+        after a step may have no hash (so no key, ``key_index``) yet, and is stored once it has one.
+      * ``num_computed_tokens`` is read in ``update_state_after_alloc`` only: it is then the local prefix hit (GPU
+        prefix cache) the scheduler offered at lookup, which is also the lookup's ``num_computed_tokens`` argument;
+        the tier's hit starts there. (vLLM updates its request's own count only after ``update_state_after_alloc``,
+        so its adapter carries the hit.) Later counts come per step in ``ScheduledRequest``; the request's own
+        includes placeholders and unverified drafts, and a connector must not read it then.
+    """
+
+    @property
+    def req_id(self) -> str: ...
+
+    @property
+    def block_hashes(self) -> list[Key]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
 
 
 class ScheduledRequest(NamedTuple):  # a tuple: engines build one per request per step
@@ -39,8 +87,8 @@ class SchedulerOutput:
 
 @define
 class TransferPlan:
-    """The connector metadata of one step: what the worker side must submit, and the delayed frees to report.
-    Each connector brings its own transfer type; the plan's shape is common."""
+    """The connector metadata of one step: the transfers the worker side must submit, and the delayed frees to
+    report. Each connector brings its own ``Transfer`` record; the plan's shape is common."""
 
     loads: list[Any] = field(factory=list)
     stores: list[Any] = field(factory=list)
@@ -53,7 +101,7 @@ class WorkerOutput:
 
     finished_sending: frozenset[str] = frozenset()  # finished requests whose delayed blocks may now be freed
     finished_recving: frozenset[str] = frozenset()  # requests whose load completed (successfully or not)
-    job_results: tuple[tuple[int, bool], ...] = ()  # (job id, success): once per job from each worker
+    job_results: tuple[tuple[int, bool], ...] = ()  # (job id, success): once per transfer from each worker
 
 
 @frozen
@@ -65,7 +113,8 @@ class Event:
 
 @define(eq=False)
 class Job:
-    """One transfer submitted by a worker; the environment decides when it executes, fails and is reported."""
+    """The environment's record of one transfer a worker submitted (its ``job_id`` is the transfer's); the
+    environment decides when it executes, fails and is reported."""
 
     job_id: int
     req_id: str
@@ -73,7 +122,7 @@ class Job:
     copies: tuple[Copy, ...]
     run: Callable[[], None] = field(repr=False)
     executed: bool = False
-    ok: bool | None = None
+    success: bool | None = None  # set when it executes
     reported: bool = False
     epoch: int = 0  # the weights the KV it reads was computed with (set at submit)
 
@@ -86,10 +135,10 @@ class Job:
 class Observation:
     """A connector's observable state; our connectors must match the spec's exactly."""
 
-    tracked: dict[str, tuple[int, ...]]  # request -> GPU block table as the connector believes it
-    cursors: dict[str, int]  # request -> offload blocks already handled (stored, in flight, present, refused)
+    tracked: dict[str, tuple[int, ...]]  # request -> its block table, as the connector tracks it (TRACK)
+    cursors: dict[str, int]  # request -> its store cursor: offload blocks already offered (stored, in flight, ...)
     tier: tuple[tuple[Key, bool, int], ...]  # (key, ready, ref count), in eviction order
-    jobs: tuple[tuple[str, TransferKind, tuple[Copy, ...]], ...]  # (request, kind, copies) in flight, sorted
+    jobs: tuple[tuple[str, TransferKind, tuple[Copy, ...]], ...]  # unfinished transfers: (request, kind, copies)
     tier_state: tuple[object, ...] = ()  # the eviction policy's own state (ARC: target, t1, ghosts)
 
 
@@ -109,11 +158,13 @@ class Connector(Protocol):
     """vLLM's ``KVConnectorBase_V1`` method set in neutral types; both sides in one object."""
 
     # scheduler side
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]: ...
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None: ...
+    def get_num_new_matched_tokens(self, request: RequestView,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]: ...
+    def update_state_after_alloc(self, request: RequestView, block_ids: list[int],
+                                 num_external_tokens: int) -> None: ...
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any: ...
     def update_connector_output(self, output: WorkerOutput) -> None: ...
-    def request_finished(self, request: Any, block_ids: list[int]) -> bool: ...
+    def request_finished(self, request: RequestView, block_ids: list[int]) -> bool: ...
     def take_events(self) -> list[Event]: ...
 
     # worker side
@@ -129,7 +180,7 @@ CONNECTOR_METHODS = tuple(name for name in vars(Connector) if not name.startswit
 
 # What an adapter declares in ``capabilities``. The kit runs a rule or checks an invariant that needs one only when
 # it is declared, and reports every rule it skipped with the reason, so nothing passes silently.
-OBSERVE = "observe"  # observe() -> Observation: tracked tables, cursors, tier, jobs (TRACK, REF, CURSOR, exact level)
+OBSERVE = "observe"  # observe() -> Observation: block tables, cursors, tier, transfers (TRACK, REF, CURSOR, exact)
 REFUSE_STORE = "refuse_store"  # refuse_next_store(): the kit makes the tier's next store allocation fail
 TRANSFER_FAILURES = "transfer_failures"  # failed transfers are reported (success=False) and recovered from
 # A protocol, not an extra: the connector frees a finished request's blocks at once, even under stores in flight,

@@ -151,8 +151,8 @@ class State(Enum):
 
 @define(eq=False)
 class Request:
-    """A request as the engine tracks it. What a connector reads: ``req_id``, ``num_tokens``, ``block_hashes``
-    (one per full block of those tokens: the only keys a connector can know) and ``num_computed_tokens``."""
+    """A request as the engine tracks it. A connector reads it as a ``RequestView`` (``req_id``, ``block_hashes``,
+    ``num_tokens``, ``num_computed_tokens``; the timing rule is written there)."""
 
     req_id: str
     prompt: tuple[int, ...]
@@ -240,16 +240,16 @@ class Executor:
                 job.reported = True
 
     def execute(self, job: Job, fail: bool = False) -> None:
-        ok = not (fail or self.fail_next or (self.fail_loads and job.kind == "load"))
+        success = not (fail or self.fail_next or (self.fail_loads and job.kind == "load"))
         self.fail_next = False
-        if ok:
+        if success:
             if job.kind == "store" and self.before_store:
                 self.before_store(job)
             job.run()
         elif job.kind == "load" and self.kv is not None:
             for block in job.gpu_blocks:  # a load that failed midway leaves garbage behind
                 self.kv.write(block, GARBAGE)
-        job.executed, job.ok = True, ok
+        job.executed, job.success = True, success
 
     def advance(self, index: int, fail: bool) -> None:
         """Move one job a stage on: execute it (or fail it), else release it for reporting."""
@@ -270,7 +270,7 @@ class Executor:
         self.jobs = [j for j in self.jobs if not j.reported]
         for job in self.last_polled:
             del self.submitted_at[id(job)]
-        return [(j.job_id, bool(j.ok)) for j in self.last_polled]
+        return [(j.job_id, bool(j.success)) for j in self.last_polled]
 
     def drain(self) -> None:
         for job in self.jobs:
@@ -616,9 +616,9 @@ class World:
                 self._apply_sample(req, sampled, rejected)
 
     def _count_reports(self, results: tuple[tuple[int, bool], ...]) -> None:
-        for job_id, ok in results:
+        for job_id, success in results:
             self.reports[job_id] += 1
-            if not ok:
+            if not success:
                 self.failed_jobs.add(job_id)
             if self.reports[job_id] == len(self.workers):
                 job = self.open_jobs.pop(job_id)
@@ -763,5 +763,5 @@ class World:
         """What two worlds driven by equivalent connectors agree on, step for step."""
         reqs = tuple((r.req_id, r.state.value, r.num_computed_tokens, tuple(r.blocks), r.num_tokens)
                      for r in self.requests.values())
-        jobs = tuple((j.req_id, j.kind, j.copies, j.executed, j.ok, j.reported) for j in self.in_flight())
+        jobs = tuple((j.req_id, j.kind, j.copies, j.executed, j.success, j.reported) for j in self.in_flight())
         return reqs, tuple(sorted(self.delayed)), jobs, tuple(self.events)

@@ -42,7 +42,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvoffload.spec import (FENCED_FREES, GARBAGE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Config,  # noqa: E402
                             Copy, Event, Executor, Job, ListKV, Request, SchedulerOutput, State, TransferKind,
-                            Violation, WorkerOutput, registered)
+                            Violation, WorkerOutput, key_index, registered)
 
 from .harness import LAYERS, make_configs  # noqa: E402
 
@@ -50,6 +50,8 @@ NULL_BLOCKS = 1  # vLLM's block 0 is the null block: world block b is vLLM block
 
 
 class Transfer(NamedTuple):
+    """One transfer a connector's metadata asks for, read by its ``Transfers`` reader."""
+
     job_id: int
     req_id: str
     kind: str  # "load" | "store"
@@ -65,7 +67,7 @@ class Transfers(Protocol):
     fenced: bool  # it frees under in-flight stores and names them in a flush list (types.FENCED_FREES)
 
     def transfers(self, metadata: Any) -> Iterator[Transfer]: ...
-    def flushes(self, metadata: Any, in_flight: dict[int, Transfer]) -> set[int]: ...
+    def flushes(self, metadata: Any, submitted: dict[int, Transfer]) -> set[int]: ...
     def worker_meta(self, job_results: list[tuple[int, bool]]) -> Any: ...
 
 
@@ -93,24 +95,24 @@ class OffloadingTransfers:
                 slots = tuple((chunks[i // self.k], i % self.k) for i in places)
                 yield Transfer(job_id, job.req_id, kind, tuple(map(int, gpu.block_ids)), slots, first)
 
-    def flushes(self, metadata: Any, in_flight: dict[int, Transfer]) -> set[int]:
+    def flushes(self, metadata: Any, submitted: dict[int, Transfer]) -> set[int]:
         return set(metadata.jobs_to_flush or ())
 
     def worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
-        return OffloadingWorkerMetadata({job_id: 1 for job_id, _ok in job_results}) if job_results else None
+        return OffloadingWorkerMetadata({job_id: 1 for job_id, _success in job_results}) if job_results else None
 
 
 class KVOffloadTransfers:
-    """Our ``KVOffloadConnector``: a plan of transfer specs; a preempted request's stores are flushed."""
+    """Our ``KVOffloadConnector``: a plan of transfers; a preempted request's stores are flushed."""
 
     failures, fenced = True, False
 
     def transfers(self, metadata: Any) -> Iterator[Transfer]:
-        for spec in (*metadata.plan.loads, *metadata.plan.stores):
-            yield Transfer(spec.job_id, spec.req_id, spec.kind, tuple(spec.blocks), tuple(spec.rows))
+        for t in (*metadata.plan.loads, *metadata.plan.stores):
+            yield Transfer(t.job_id, t.req_id, t.kind, tuple(t.gpu_blocks), tuple(t.host_rows))
 
-    def flushes(self, metadata: Any, in_flight: dict[int, Transfer]) -> set[int]:
-        return {job_id for job_id, t in in_flight.items() if t.kind == "store" and t.req_id in metadata.preempted}
+    def flushes(self, metadata: Any, submitted: dict[int, Transfer]) -> set[int]:
+        return {job_id for job_id, t in submitted.items() if t.kind == "store" and t.req_id in metadata.preempted}
 
     def worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
         from ..vllm_connector import KVOffloadWorkerMetadata
@@ -134,8 +136,8 @@ class BlackBox:
         self.seen: dict[str, tuple[Request, VllmRequest]] = {}  # world request, vLLM request
         self.metadata: Any = None  # this step's, for handle_preemptions (the world passes only the ids)
         self.pending: dict[int, tuple[Transfer, tuple[Copy, ...]]] = {}  # asked for this step, not submitted
-        self.delayed: set[str] = set()  # request_finished returned True
-        self.in_flight: dict[int, Transfer] = {}  # submitted, not polled
+        self.draining: set[str] = set()  # request_finished returned True; not reported in finished_sending yet
+        self.submitted: dict[int, Transfer] = {}  # submitted, not polled
         self.tier: dict[Hashable, int] = {}  # tier slot -> content
         self.load_errors: set[int] = set()
         self._kv: ListKV | None = None
@@ -225,7 +227,7 @@ class BlackBox:
                                 f"{t.kind} job {t.job_id} of {t.req_id} names GPU block {block}, which is not in "
                                 f"the request's block table {req.blocks}")
             position = req.blocks.index(block)
-            last = position // k * k + k - 1  # the offload block's last GPU block: its key
+            last = key_index(position // k, k)  # the key of the offload block holding this position
             if last >= len(req.block_hashes):
                 raise Violation("CURSOR", f"{t.kind} job {t.job_id} of {t.req_id} covers position {position}, whose "
                                           f"offload block is not full ({len(req.block_hashes)} full GPU blocks)")
@@ -244,7 +246,7 @@ class BlackBox:
         vreq.status = RequestStatus.FINISHED_ABORTED if aborted else RequestStatus.FINISHED_STOPPED
         delay, _params = self.connector.request_finished(vreq, [b + NULL_BLOCKS for b in block_ids])
         if delay:
-            self.delayed.add(request.req_id)
+            self.draining.add(request.req_id)
         return delay
 
     def reset_cache(self) -> bool:
@@ -267,7 +269,7 @@ class BlackBox:
         return registered(self._executor, "executor")
 
     def handle_preemptions(self, req_ids: frozenset[str]) -> None:
-        flush = self.reader.flushes(self.metadata, self.in_flight)
+        flush = self.reader.flushes(self.metadata, self.submitted)
         self._submit("store", flush)  # a flushed job of this very step is submitted first, as vLLM's worker does
         self.executor.flush(flush)
 
@@ -282,7 +284,7 @@ class BlackBox:
             if t.kind != kind or (only is not None and job_id not in only):
                 continue
             del self.pending[job_id]
-            self.in_flight[job_id] = t
+            self.submitted[job_id] = t
             pairs = [(b - NULL_BLOCKS, slot) for b, slot in zip(t.gpu_blocks, t.tier_slots)]
             self.executor.submit(Job(job_id, t.req_id, kind, copies, partial(self._copy, kind, pairs)))
 
@@ -295,12 +297,12 @@ class BlackBox:
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
         results = self.executor.poll()
-        done = [self.in_flight.pop(job_id) for job_id, _ok in results]
-        self.load_errors |= {b - NULL_BLOCKS for t, (_id, ok) in zip(done, results) if t.kind == "load" and not ok
-                             for b in t.gpu_blocks}
-        busy = {t.req_id for t in self.in_flight.values()}
-        sending = {r for r in self.delayed if r not in busy}
-        self.delayed -= sending
+        done = [self.submitted.pop(job_id) for job_id, _success in results]
+        self.load_errors |= {b - NULL_BLOCKS for t, (_id, success) in zip(done, results)
+                             if t.kind == "load" and not success for b in t.gpu_blocks}
+        busy = {t.req_id for t in self.submitted.values()}
+        sending = {r for r in self.draining if r not in busy}
+        self.draining -= sending
         return WorkerOutput(frozenset(sending), frozenset(t.req_id for t in done if t.kind == "load"), tuple(results))
 
     def get_block_ids_with_load_errors(self) -> set[int]:

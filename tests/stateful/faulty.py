@@ -16,7 +16,7 @@ class BreakOnRefusedStore(ReferenceConnector):
 
     def _collect_stores(self, scheduler_output, plan) -> None:
         for sched in scheduler_output.scheduled:
-            self._update_block_ids(sched)
+            self._update_block_table(sched)
             keys, first = self._storable_keys(sched)
             slots = self.tier.prepare_store(keys)
             if slots is None:
@@ -45,7 +45,7 @@ class CursorNotRewound(ReferenceConnector):
     """Preemption keeps the store cursor, so blocks recomputed after the resume are never offered again."""
 
     def _rewind(self, req_id: str) -> None:
-        self._next_stored.setdefault(req_id, 0)
+        self._cursors.setdefault(req_id, 0)
 
 
 class _EvictThenRefuseTier(LRUTier):
@@ -76,12 +76,16 @@ class HitWhileStoring(ReferenceConnector):
     """The lookup offers a tier hit while the request's own stores are still in flight: a load and stores of one
     request overlap (they may begin and end inside one engine step)."""
 
-    def _has_jobs(self, req_id: str) -> bool:
+    def _has_transfers(self, req_id: str) -> bool:
         return False
 
 
-VARIANTS = [BreakOnRefusedStore, NoFlushOnPreemption, FreeWhileStoring, CursorNotRewound, EvictBeforeRefusing,
-            EvictPinned, HitWhileStoring]
+# each reference variant, with the scenario (in scenarios.py) that triggers it
+# Where the known bugs are hunted: transfers held back (so stores are in flight at preemptions and finishes), no
+# GPU prefix cache (so shared prefixes come from the tier and loads pin entries), a tier small enough to refuse.
+HUNT = "k1-delayed-failures-no-prefix-cache"
+VARIANTS = {BreakOnRefusedStore: HUNT, NoFlushOnPreemption: HUNT, FreeWhileStoring: HUNT, CursorNotRewound: HUNT,
+            EvictBeforeRefusing: HUNT, EvictPinned: HUNT, HitWhileStoring: "k2-delayed"}
 
 
 # ---- the engine modes vLLM runs on GPUs, in the production connector ---------------------------------------------

@@ -39,7 +39,3 @@ ARC_SCENARIOS = {
     "arc-k1-delayed-tiny-tier": Scenario(
         Config(num_gpu_blocks=12, tier_blocks=2, policy="arc", prefix_caching=False), delay=1),
 }
-
-# Where the known bugs are hunted: transfers held back (so stores are in flight at preemptions and finishes),
-# no GPU prefix cache (so shared prefixes come from the tier and loads pin entries), a tier small enough to refuse.
-HUNT = SCENARIOS["k1-delayed-failures-no-prefix-cache"]

@@ -10,10 +10,10 @@ from kvoffload.spec import Violation
 from kvoffload.spec.kit import run_conformance
 
 from .faulty import GPU_MODE_VARIANTS, VARIANTS
-from .scenarios import GPU_MODE_SCENARIOS, HUNT
+from .scenarios import GPU_MODE_SCENARIOS, SCENARIOS
 
-CASES = [(v, HUNT, TensorKV) for v in VARIANTS] + [(v, GPU_MODE_SCENARIOS[name], LayeredKV)
-                                                   for v, name in GPU_MODE_VARIANTS.items()]
+CASES = [(v, SCENARIOS[name], TensorKV) for v, name in VARIANTS.items()] + [
+    (v, GPU_MODE_SCENARIOS[name], LayeredKV) for v, name in GPU_MODE_VARIANTS.items()]
 
 
 @pytest.mark.parametrize("variant, scenario, kv", CASES, ids=[v.__name__ for v, _s, _k in CASES])

@@ -5,7 +5,7 @@ import sys
 import textwrap
 
 from kvoffload.spec import Config, Executor, ListKV, SpecConnector, World
-from kvoffload.spec.connector import offload_keys
+from kvoffload.spec.types import offload_keys
 
 DELAYED_FREES_PROGRAM = textwrap.dedent("""
     from kvoffload.reference import ReferenceConnector, TensorKV
@@ -102,7 +102,7 @@ class WholePromptHits(SpecConnector):
         self.requests[request.req_id] = request
         per = self.config.offload_block_size
         start = num_computed_tokens // per
-        hits = self.tier.lookup(offload_keys(request, self.config)[start:request.num_tokens // per])
+        hits = self.tier.lookup(offload_keys(request.block_hashes, self.config.k, start, request.num_tokens // per))
         return ((start + hits) * per - num_computed_tokens, True) if hits else (0, False)
 
 

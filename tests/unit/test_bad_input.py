@@ -4,11 +4,12 @@ import pytest
 
 from kvoffload.impl import OffloadConnector
 from kvoffload.impl.testing import LayeredKV
-from kvoffload.impl.scheduler import TransferSpec
-from kvoffload.reference import ReferenceConnector, TensorKV, Transfer
+from kvoffload.impl.scheduler import Transfer as ImplTransfer
+from kvoffload.reference import ReferenceConnector, TensorKV
+from kvoffload.reference import Transfer as ReferenceTransfer
 from kvoffload.spec import (BlockIdError, Config, ConfigError, Executor, ListKV, Request, ScheduledRequest,
                             SchedulerOutput, SpecConnector, UnknownRequestError, World)
-from kvoffload.spec.connector import JobSpec
+from kvoffload.spec.connector import Transfer as SpecTransfer
 from kvoffload.spec.types import TransferPlan
 
 CONNECTORS = [(SpecConnector, ListKV), (ReferenceConnector, TensorKV), (OffloadConnector, LayeredKV)]
@@ -62,9 +63,9 @@ def test_block_id_out_of_range_in_a_transfer(connector_class, kv):
     connector.register_kv_caches(kv(config.num_gpu_blocks), Executor())
     bad = ((config.num_gpu_blocks + 3, 0x1234, 0),)
     plan = {
-        SpecConnector: lambda: TransferPlan([], [JobSpec(0, "r0", "store", bad)]),
-        ReferenceConnector: lambda: TransferPlan(stores=[Transfer(0, "r0", "store", bad, (0,))]),
-        OffloadConnector: lambda: TransferPlan(stores=[TransferSpec(0, "r0", "store", [0x1234], list(bad), [0])]),
+        SpecConnector: lambda: TransferPlan([], [SpecTransfer(0, "r0", "store", bad)]),
+        ReferenceConnector: lambda: TransferPlan(stores=[ReferenceTransfer(0, "r0", "store", bad, (0,))]),
+        OffloadConnector: lambda: TransferPlan(stores=[ImplTransfer(0, "r0", "store", [0x1234], list(bad), [0])]),
     }[connector_class]()
     with pytest.raises(BlockIdError, match=str(config.num_gpu_blocks + 3)):
         connector.wait_for_save(plan)

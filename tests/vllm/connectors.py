@@ -60,14 +60,14 @@ class _BreakOnRefusedStore(OffloadConnector):
             raise _Refused
         return store
 
-    def _transfer(self, state, kind, keys, copies, rows):
-        spec = super()._transfer(state, kind, keys, copies, rows)
+    def _new_transfer(self, state, kind, keys, copies, host_rows):
+        transfer = super()._new_transfer(state, kind, keys, copies, host_rows)
         if kind == "store":
-            self._built.append(spec)
-        return spec
+            self._built.append(transfer)
+        return transfer
 
     def build_connector_meta(self, scheduler_output):
-        loads, delayed, self._built = list(self._loads), frozenset(self._delayed), []
+        loads, delayed, self._built = list(self._pending_loads), frozenset(self._delayed), []
         try:
             return super().build_connector_meta(scheduler_output)
         except _Refused:  # `break`: what was built so far goes out, the rest of the batch is skipped
