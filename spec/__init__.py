@@ -7,7 +7,7 @@ always hold). ``kit`` (needs hypothesis) drives any connector through all of it;
 
 from .config import BlockIdError, Config, ConfigError, UnknownRequestError, registered
 from .connector import SpecConnector
-from .invariants import SPEC_VERSION, Violation
+from .invariants import SPEC_VERSION, Violation, require
 from .types import (CAPABILITIES, CONNECTOR_METHODS, FENCED_FREES, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES,
                     Adapter, Connector, Copy, Event, GpuKV, Job, Key, Observation, RequestView, ScheduledRequest,
                     SchedulerOutput, TransferKind, TransferPlan, WorkerOutput, key_index, offload_keys)
@@ -20,5 +20,5 @@ __all__ = [
     "SPEC_VERSION", "BlockIdError", "Config", "ConfigError", "Connector", "Copy", "Event", "Executor", "GpuKV", "Job",
     "Key", "ListKV", "Observation", "Request", "RequestView", "ScheduledRequest", "SchedulerOutput", "SpecConnector",
     "State", "TransferKind", "TransferPlan", "UnknownRequestError", "Violation", "WorkerOutput", "World",
-    "key_index", "offload_keys", "registered",
+    "key_index", "offload_keys", "registered", "require",
 ]

@@ -42,7 +42,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvoffload.spec import (FENCED_FREES, GARBAGE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Config,  # noqa: E402
                             Copy, Event, Executor, Job, ListKV, Request, SchedulerOutput, State, TransferKind,
-                            Violation, WorkerOutput, key_index, registered)
+                            WorkerOutput, key_index, registered, require)
 
 from .harness import LAYERS, make_configs  # noqa: E402
 
@@ -58,6 +58,7 @@ class Transfer(NamedTuple):
     gpu_blocks: tuple[int, ...]  # vLLM ids
     tier_slots: tuple[Hashable, ...]  # where each GPU block's bytes live in the tier
     first_position: int | None = None  # the first block's index in the request, if the metadata says
+    keys: tuple[Hashable, ...] | None = None  # the offload key each GPU block is copied under, if the metadata says
 
 
 class Transfers(Protocol):
@@ -89,9 +90,9 @@ class OffloadingTransfers:
                 gpu, tier = (job.dst_spec, job.src_spec) if kind == "load" else (job.src_spec, job.dst_spec)
                 chunks, first = list(map(int, tier.block_ids)), int(gpu.block_indices[0])
                 places = range(first % self.k, first % self.k + len(gpu.block_ids))  # sub-slots, chunk by chunk
-                if len(places) and places[-1] // self.k >= len(chunks):
-                    raise Violation("TRACK", f"{kind} job {job_id} of {job.req_id}: {len(places)} GPU blocks need "
-                                             f"more than its {len(chunks)} CPU chunks")
+                require(not len(places) or places[-1] // self.k < len(chunks), "TRACK",
+                        f"{kind} job {job_id} of {job.req_id}: {len(places)} GPU blocks need more than its "
+                        f"{len(chunks)} CPU chunks")
                 slots = tuple((chunks[i // self.k], i % self.k) for i in places)
                 yield Transfer(job_id, job.req_id, kind, tuple(map(int, gpu.block_ids)), slots, first)
 
@@ -109,7 +110,8 @@ class KVOffloadTransfers:
 
     def transfers(self, metadata: Any) -> Iterator[Transfer]:
         for t in (*metadata.plan.loads, *metadata.plan.stores):
-            yield Transfer(t.job_id, t.req_id, t.kind, tuple(t.gpu_blocks), tuple(t.host_rows))
+            yield Transfer(t.job_id, t.req_id, t.kind, tuple(t.gpu_blocks), tuple(t.host_rows),
+                           keys=tuple(key for _block, key, _sub in t.copies))
 
     def flushes(self, metadata: Any, submitted: dict[int, Transfer]) -> set[int]:
         return {job_id for job_id, t in submitted.items() if t.kind == "store" and t.req_id in metadata.preempted}
@@ -214,23 +216,37 @@ class BlackBox:
     def _copies(self, t: Transfer) -> tuple[Copy, ...]:
         """What the transfer copies, as (world GPU block, its offload block's key, index inside it). A block that
         is not where the job says in the request's table, or whose offload block is not full, is a violation here,
-        before anything is copied."""
-        req, k = self.seen[t.req_id][0], self.config.k
+        before anything is copied (each check counted, through ``require``).
+
+        Which invariant a bad block names: the job's blocks are the connector's tracked table as it emits it, so
+        wherever the job itself places a block (its first position, its blocks in request order, the key it files a
+        block under) and the request's real table disagree, the table drifted: TRACK, both tables shown. Only a job
+        whose claims all agree with the real table and that still reaches a position not yet hashed stored too far
+        ahead: CURSOR. (A drifted table often also reaches unhashed positions; naming it CURSOR hid the cause.)"""
+        (req, vreq), k = self.seen[t.req_id], self.config.k
         blocks = [b - NULL_BLOCKS for b in t.gpu_blocks]
-        if blocks and t.first_position is not None and req.blocks[t.first_position:t.first_position + 1] != blocks[:1]:
-            raise Violation("TRACK", f"{t.kind} job {t.job_id} of {t.req_id} starts at GPU block {blocks[0]} for "
-                                     f"position {t.first_position}, but the request's block table is {req.blocks}")
+        tables = f"\n  request's block table: {req.blocks}\n  job's GPU blocks:      {blocks}"
+        claims = f"{t.kind} job {t.job_id} of {t.req_id}"
+        require(not blocks or t.first_position is None or req.blocks[t.first_position:t.first_position + 1]
+                == blocks[:1], "TRACK", f"{claims} starts at GPU block {blocks[:1]} for position {t.first_position}, "
+                                        f"but the request's block table is {req.blocks}{tables}")
+        for block in blocks:  # a load into a block the request does not own would write another request's block
+            require(block in req.blocks, "TRACK" if t.kind == "store" else "DST",
+                    f"{claims} names GPU block {block}, which is not in the request's block table {req.blocks}"
+                    f"{tables}")
+        positions = [req.blocks.index(block) for block in blocks]
+        require(all(a < b for a, b in zip(positions, positions[1:])), "TRACK",
+                f"{claims}: its GPU blocks are not in request order (positions {positions}){tables}")
         copies = []
-        for block in blocks:
-            if block not in req.blocks:  # a load into it would write a block the request does not own
-                raise Violation("TRACK" if t.kind == "store" else "DST",
-                                f"{t.kind} job {t.job_id} of {t.req_id} names GPU block {block}, which is not in "
-                                f"the request's block table {req.blocks}")
-            position = req.blocks.index(block)
+        for i, (block, position) in enumerate(zip(blocks, positions)):
             last = key_index(position // k, k)  # the key of the offload block holding this position
-            if last >= len(req.block_hashes):
-                raise Violation("CURSOR", f"{t.kind} job {t.job_id} of {t.req_id} covers position {position}, whose "
-                                          f"offload block is not full ({len(req.block_hashes)} full GPU blocks)")
+            hashed = last < len(req.block_hashes)
+            if t.keys is not None:  # the job says where it files the block (a key in vLLM's hashes): elsewhere?
+                require(last < len(vreq.block_hashes) and t.keys[i] == vreq.block_hashes[last], "TRACK",
+                        f"{claims} files GPU block {block} (position {position}) under key {t.keys[i]!r}, not under "
+                        f"its offload block's key: the tracked table drifted{tables}")
+            require(hashed, "CURSOR", f"{claims} covers position {position}, whose offload block is not full "
+                                      f"({len(req.block_hashes)} full GPU blocks)")
             copies.append((block, req.block_hashes[last], position % k))
         return tuple(copies)
 

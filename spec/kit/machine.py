@@ -27,7 +27,10 @@ Level = Literal["invariants", "exact"]
 Rule = TypeVar("Rule", bound=Callable[..., None])
 
 # What the checks beside the rules need (each rule says what it needs with ``needs``).
-OBSERVED = declare("TRACK, REF, CURSOR", OBSERVE, note="no tracked tables, cursors, tier")
+# Precisely what is lost without observe(): the checks on the connector's own state. TRACK and CURSOR may still run
+# on what it emits (black-box mode checks each job's blocks), and are then counted on the invariants line.
+OBSERVED = declare("TRACK, REF, CURSOR on the connector's own state", OBSERVE,
+                   note="no tracked tables, cursors, tier to read")
 DELAYED_FREES = declare("FINISH, SRC ownership", unless=FENCED_FREES, note="its stores' bytes are checked")
 WEIGHT_UPDATES = declare("reset_prefix_cache(reset_connector=True)", RESET,
                          note="vLLM would serve stale KV after a weight update")

@@ -19,10 +19,13 @@ PROFILE_ENV = "HYPOTHESIS_PROFILE"
 
 _COMMON: dict[str, Any] = dict(deadline=None, report_multiple_bugs=False,
                                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-_NO_EXPLAIN = [p for p in Phase if p is not Phase.explain]  # explaining a stateful failure costs minutes
+# Every profile used for reporting runs without the explain phase: explaining a stateful failure costs minutes (a
+# nightly failure found in seconds took minutes to report), and the shrunk program and trace say what it would.
+_NO_EXPLAIN = [p for p in Phase if p is not Phase.explain]
 settings.register_profile(PROFILES["pr"], derandomize=True, max_examples=60, stateful_step_count=40,
                           phases=_NO_EXPLAIN, **_COMMON)
-settings.register_profile(PROFILES["nightly"], max_examples=2000, stateful_step_count=80, **_COMMON)
+settings.register_profile(PROFILES["nightly"], max_examples=2000, stateful_step_count=80, phases=_NO_EXPLAIN,
+                          **_COMMON)
 settings.register_profile(PROFILES["mutation"], derandomize=True, database=None, max_examples=200,
                           stateful_step_count=60, phases=[Phase.generate], **_COMMON)
 

@@ -19,7 +19,7 @@ from .coverage import Coverage
 from .machine import Level, make_machine
 from .profiles import get_profile, project_independent
 from .scenario import DEFAULT_SCENARIO, Scenario, SkippedRule
-from .trace import write_trace
+from .trace import UnreplayableTrace, write_trace
 
 
 def run_conformance(factory: Callable[[Config], Any], scenario: Scenario = DEFAULT_SCENARIO,
@@ -37,8 +37,12 @@ def run_conformance(factory: Callable[[Config], Any], scenario: Scenario = DEFAU
             run_state_machine_as_test(machine, settings=settings(base, **overrides))
     except Violation as exc:
         if trace is not None and exc.trace is not None:
-            write_trace(Path(trace), machine, exc)
-            exc.add_note(f"program written to {trace}; replay: python -m kvoffload.spec.kit.trace {trace}")
+            try:
+                write_trace(Path(trace), machine, exc)
+            except UnreplayableTrace as problem:  # the finding still reaches the caller, the problem as its note
+                exc.add_note(f"no trace written to {trace}: {problem}")
+            else:
+                exc.add_note(f"program written to {trace}; replay: python -m kvoffload.spec.kit.trace {trace}")
         raise
     finally:
         machine.coverage.invariants.update(Counter(invariants.CHECKED) - checked_before)

@@ -24,8 +24,45 @@ from .machine import ConformanceMachine, make_machine
 from .scenario import Scenario
 
 
+class UnreplayableTrace(ValueError):
+    """A trace cannot name one of its factories so that replay finds it again: nothing is written."""
+
+
 def qualified_name(obj: Any) -> str:
     return f"{obj.__module__}:{obj.__qualname__}" if hasattr(obj, "__qualname__") else repr(obj)
+
+
+def importable_name(obj: Any, role: str = "factory") -> str:
+    """``module:qualname`` for ``obj``, checked to import back to it; else ``UnreplayableTrace`` saying how to fix it.
+
+    A script's function is ``__main__:f``, which a replay in another process imports as the replay's own
+    ``__main__`` (an AttributeError). A script run as ``python -m pkg.mod`` is named by its module (``pkg.mod:f``)."""
+    fix = "move it into an importable module, or pass it to replay(path, adapter=...)"
+    label = getattr(obj, "__qualname__", None) or repr(obj)
+    if not isinstance(getattr(obj, "__qualname__", None), str) or not isinstance(getattr(obj, "__module__", None), str):
+        raise UnreplayableTrace(f"cannot write a replayable trace: {role} {label} is not a function or class "
+                                f"(a functools.partial or an instance has no import name); {fix}")
+    module, qualname = obj.__module__, obj.__qualname__
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        raise UnreplayableTrace(f"cannot write a replayable trace: {role} '{qualname}' is a lambda or is defined "
+                                f"inside a function; {fix}")
+    main = module == "__main__"
+    if main:
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        if spec is None or not spec.name or spec.name == "__main__":
+            raise UnreplayableTrace(f"cannot write a replayable trace: {role} '{qualname}' is defined in __main__ "
+                                    f"(a script); {fix}")
+        module = spec.name
+    try:
+        found: Any = sys.modules["__main__"] if main else importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        found = None
+    if found is not obj:  # e.g. rebound, or created under another name
+        raise UnreplayableTrace(f"cannot write a replayable trace: {role} {module}:{qualname} does not import back "
+                                f"to the {role} that ran; {fix}")
+    return f"{module}:{qualname}"
 
 
 def resolve(name: str) -> Any:
@@ -41,8 +78,10 @@ def resolve(name: str) -> Any:
 
 
 def write_trace(path: Path, machine: type[ConformanceMachine], failure: Violation) -> None:
+    """Write the failure's program; ``UnreplayableTrace`` (nothing written) if a factory has no import name."""
     header = {"kvoffload_trace": 1, "spec_version": SPEC_VERSION,
-              "adapter": qualified_name(machine.factory), "kv": qualified_name(machine.kv_factory),
+              "adapter": importable_name(machine.factory, "factory"), "kv": importable_name(machine.kv_factory,
+                                                                                            "kv factory"),
               "level": machine.level, "scenario": asdict(machine.scenario),
               "failure": f"{type(failure).__name__}: {failure}".splitlines()[0]}
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """A failing run's JSON Lines trace replays to the same failure, in this process and from the command line."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -9,7 +10,8 @@ import pytest
 from kvoffload.spec import SpecConnector, Violation
 from kvoffload.spec.invariants import ConnectorError
 from kvoffload.spec.kit import run_conformance
-from kvoffload.spec.kit.trace import read_trace, replay
+from kvoffload.spec.kit.machine import make_machine
+from kvoffload.spec.kit.trace import UnreplayableTrace, read_trace, replay, write_trace
 
 from .connectors import SCENARIO, ForgetsDelayedFrees, RaisesAtFinish
 
@@ -66,3 +68,69 @@ def test_an_exception_of_the_connector_is_a_violation_that_replays(tmp_path):
     with pytest.raises(ConnectorError) as again:
         replay(path)
     assert str(again.value) == str(error)
+
+
+SCRIPT = '''
+import sys
+from kvoffload.spec import Config, SpecConnector, Violation
+from kvoffload.spec.kit import Scenario, run_conformance
+
+
+class ForgetsDelayedFrees(SpecConnector):
+    def request_finished(self, request, block_ids):
+        super().request_finished(request, block_ids)
+        return False
+
+
+scenario = Scenario(Config(num_gpu_blocks=12, tier_blocks=3, prefix_caching=False), delay=2, failures=True)
+try:
+    run_conformance(ForgetsDelayedFrees, scenario, profile="pr", trace=sys.argv[1])
+except Violation as exc:  # the finding itself still reaches the caller
+    print("FOUND", exc.invariant)
+    print("\\n".join(getattr(exc, "__notes__", [])))
+'''
+
+
+def test_a_trace_from_a_script_is_refused_with_a_clear_message(tmp_path):
+    """``python script.py``: the factory is ``__main__:...``, which no replay can import, so no trace is written and
+    the Violation says why, instead of an AttributeError at replay."""
+    (tmp_path / "script.py").write_text(SCRIPT)
+    trace = tmp_path / "failure.jsonl"
+    done = subprocess.run([sys.executable, "script.py", str(trace)], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "FOUND FINISH" in done.stdout
+    assert ("cannot write a replayable trace: factory 'ForgetsDelayedFrees' is defined in __main__ (a script); move "
+            "it into an importable module, or pass it to replay(path, adapter=...)") in done.stdout
+    assert not trace.exists()
+
+
+def test_a_trace_from_a_script_run_as_a_module_names_the_module_and_replays(tmp_path):
+    (tmp_path / "my_script.py").write_text(SCRIPT)
+    trace = tmp_path / "failure.jsonl"
+    done = subprocess.run([sys.executable, "-m", "my_script", str(trace)], cwd=tmp_path, capture_output=True,
+                          text=True)
+    assert "FOUND FINISH" in done.stdout and "replay: python -m kvoffload.spec.kit.trace" in done.stdout, done.stderr
+    assert read_trace(trace)[0]["adapter"] == "my_script:ForgetsDelayedFrees"
+    replayed = subprocess.run([sys.executable, "-m", "kvoffload.spec.kit.trace", str(trace)], cwd=tmp_path,
+                              capture_output=True, text=True)
+    assert replayed.returncode != 0 and "FINISH: request r" in replayed.stderr, replayed.stderr
+
+
+def _local_factory():
+    def factory(config):
+        return SpecConnector(config)
+    return factory
+
+
+@pytest.mark.parametrize("factory, why", [
+    (lambda config: SpecConnector(config), "is a lambda or is defined inside a function"),  # noqa: PLW0108 -- a lambda is the case
+    (_local_factory(), "is a lambda or is defined inside a function"),
+    (functools.partial(SpecConnector), "is not a function or class"),
+])
+def test_a_factory_without_an_import_name_is_refused_before_anything_is_written(tmp_path, factory, why):
+    violation = Violation("FINISH", "found")
+    violation.trace = [("step", {"n": 1})]
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(UnreplayableTrace, match=f"cannot write a replayable trace: factory .* {why}.*replay\\("):
+        write_trace(path, make_machine(factory), violation)
+    assert not path.exists()

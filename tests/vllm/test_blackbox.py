@@ -3,6 +3,7 @@ kit through real vLLM Request / SchedulerOutput objects, with the worker side pl
 divergences of vLLM's connector replay from their shrunk programs and are found again from scratch."""
 
 import tomllib
+from types import SimpleNamespace
 from functools import partial
 from pathlib import Path
 
@@ -39,6 +40,16 @@ def test_vllm_offloading_connector_conforms(name, record_property):
     assert world["blocks_stored"] and world["tier_hit_tokens"] and world["blocks_loaded"] and world["preemptions"]
     assert coverage.rules["refuse_next_store"] and coverage.never_held() == []
     assert coverage.invariants["SRC"] and coverage.invariants["CONTENT"]
+    assert_reports_agree(coverage)
+
+
+def assert_reports_agree(coverage):
+    """A check that runs is never listed as skipped: black-box mode checks TRACK and CURSOR on every job the
+    connector emits (counted), and only their checks on its own state are skipped, by that precise name."""
+    assert coverage.invariants["TRACK"] and coverage.invariants["CURSOR"]
+    assert "TRACK, REF, CURSOR on the connector's own state" in coverage.skipped
+    assert not set(coverage.skipped) & set(coverage.invariants)
+    assert "skipped:    TRACK, REF, CURSOR on the connector's own state: " in str(coverage)
 
 
 GPU_MODES = {  # the engine modes vLLM runs on GPUs, modelled by the world (the connector sees them in its inputs)
@@ -103,6 +114,7 @@ def test_our_vllm_connector_conforms_in_black_box_mode(offload_block_size, prefi
     with pytest.warns(SkippedRule, match="does not declare 'observe'"):
         coverage = run_conformance(factory, scenario)
     assert coverage.world["failed_transfers"] and coverage.world["blocks_loaded"] and not coverage.never_held()
+    assert_reports_agree(coverage)
     if prefix_caching:
         assert coverage.world["engine_hit_blocks"] and sum(box.local_and_tier_hits for box in boxes)
 
@@ -111,9 +123,49 @@ def test_black_box_mode_catches_the_seed_bug():
     seed_bug = partial(kvoffload_connector, name="SeedBugConnector", module="tests.vllm.connectors")
     with pytest.raises(Violation) as caught:
         run_conformance(seed_bug, Scenario(Config(num_gpu_blocks=16, tier_blocks=4, prefix_caching=False), delay=2))
-    # the drifted table shows in a store it emits, or crashes the connector as in vLLM 0.11 -- and nothing else
+    # the drifted table shows in a store it emits (as TRACK, with both tables), or crashes the connector as in
+    # vLLM 0.11 -- and nothing else
     assert caught.value.finding in ("TRACK", "CURSOR", "SRC", "RAISED IndexError"), caught.value
+    if caught.value.finding == "TRACK":
+        assert "request's block table: [" in str(caught.value) and "job's GPU blocks: " in str(caught.value)
     assert caught.value.rules_run <= 8
+
+
+def _box_with_one_request(offload_block_size=2):
+    """Our connector in black-box mode after one request of 5 tokens was scheduled: 3 GPU blocks, 2 hashed."""
+    state = make_machine(kvoffload_connector, Scenario(Config(num_gpu_blocks=16, offload_block_size=offload_block_size,
+                                                              tier_blocks=4, prefix_caching=False), delay=2))()
+    state.add_requests(batch=[([0, 1, 2, 3, 4], 4)])
+    state.step(n=1)
+    box = state.subject.connector
+    req = next(iter(box.seen.values()))[0]
+    return box, req
+
+
+def _job(req, blocks, **claims):
+    from kvoffload.impl.testing.blackbox import NULL_BLOCKS, Transfer
+    return Transfer(99, req.req_id, "store", tuple(b + NULL_BLOCKS for b in blocks), tuple(range(len(blocks))),
+                    **claims)
+
+
+def test_a_job_whose_claims_agree_with_the_table_but_reach_unhashed_positions_is_cursor():
+    box, req = _box_with_one_request()
+    vreq = box.seen[req.req_id][1]
+    box.seen[req.req_id] = (SimpleNamespace(blocks=req.blocks, block_hashes=req.block_hashes[:1]), vreq)  # 1 hashed
+    with pytest.raises(Violation, match="CURSOR: store job 99 .* covers position"):
+        box._copies(_job(req, req.blocks))
+
+
+@pytest.mark.parametrize("claims", ["out of order", "first position", "key"])
+def test_a_job_that_disagrees_with_the_table_is_track_with_both_tables(claims):
+    box, req = _box_with_one_request()
+    blocks, hashes = list(req.blocks), box.seen[req.req_id][1].block_hashes  # vLLM's hashes, as the job's keys
+    job = {"out of order": _job(req, blocks[1::-1]),
+           "first position": _job(req, blocks[1:2], first_position=0),
+           "key": _job(req, blocks[:2], keys=(hashes[0], hashes[0]))}[claims]
+    with pytest.raises(Violation, match="TRACK: store job 99") as caught:
+        box._copies(job)
+    assert f"request's block table: {req.blocks}" in str(caught.value)
 
 
 class ForgetsFlushes(OffloadingTransfers):
