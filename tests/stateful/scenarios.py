@@ -17,8 +17,8 @@ SCENARIOS = {
 # The modes vLLM runs on GPUs: async scheduling, speculative decoding, tensor-parallel workers, and a persistent
 # load fault (liveness); weight updates (reset_prefix_cache(reset_connector=True)) run in every scenario.
 GPU_MODE_SCENARIOS = {
-    "k1-async-delayed-failures": Scenario(Config(num_gpu_blocks=14, tier_blocks=4, async_scheduling=True),
-                                          delay=2, failures=True),
+    "k1-async-delayed-failures-no-prefix-cache": Scenario(
+        Config(num_gpu_blocks=14, tier_blocks=8, async_scheduling=True, prefix_caching=False), delay=2, failures=True),
     "k2-spec3-immediate-no-prefix-cache": Scenario(
         Config(num_gpu_blocks=16, offload_block_size=4, tier_blocks=6, num_spec_tokens=3, prefix_caching=False)),
     "k1-async-spec2-delayed-failures": Scenario(
