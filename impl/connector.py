@@ -36,5 +36,6 @@ class OffloadConnector(OffloadScheduler, OffloadWorker):
             tier_state=self.tier.policy.state(),
         )
 
-    def refuse_next_store(self) -> None:
-        self.tier.refuse_next = True
+    def refuse_next_store(self, req_id: str) -> None:
+        """Fault injection: the tier refuses the next store allocation made for this request."""
+        self.refusing.add(req_id)

@@ -57,6 +57,7 @@ class OffloadScheduler:
         self.unfinished: dict[int, Transfer] = {}  # built, not yet reported by every worker
         self._pending_loads: list[Transfer] = []  # for the next plan
         self._delayed: set[str] = set()  # request_finished delayed their free since the last plan
+        self.refusing: set[str] = set()  # fault injection: the tier refuses these requests' next store
         self._job_ids = itertools.count()
         self.counters = dict.fromkeys(("lookups", "hit_tokens", "stored_blocks", "loaded_blocks",
                                        "failed_stores", "failed_loads"), 0)
@@ -136,8 +137,10 @@ class OffloadScheduler:
         if not keys:
             return None
         state.cursor = first + len(keys)
-        slots = self.tier.prepare_store(keys)
-        if not slots:  # None: refused, this request only; {}: all present
+        slots = self.tier.prepare_store(keys, refuse=state.request.req_id in self.refusing)
+        if slots is None:  # refused: this request only
+            self.refusing.discard(state.request.req_id)
+        if not slots:  # ({}: all present)
             return None
         table, copies, host_rows = state.block_table, [], []
         for j, key in enumerate(keys, start=first):
@@ -173,6 +176,7 @@ class OffloadScheduler:
     def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
         state = self._state(request.req_id)
         del self.requests[request.req_id]
+        self.refusing.discard(request.req_id)
         if state.unfinished_stores:  # stores still read its blocks (a load in flight: the engine holds them itself)
             self._delayed.add(request.req_id)
         return state.unfinished_stores > 0

@@ -21,7 +21,6 @@ class OffloadTier:
         self.refs = [0] * capacity  # by slot: in-flight loads
         self.free = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest slot
         self.events: list[Event] = []
-        self.refuse_next = False
         self.refusals = self.evictions = 0
 
     def is_ready(self, key: Key) -> bool:
@@ -49,16 +48,16 @@ class OffloadTier:
             if self.stale[slot] and not self.refs[slot]:
                 self._remove([key])
 
-    def prepare_store(self, keys: list[Key]) -> dict[Key, int] | None:
-        """Host slots for the keys not present (present ones count as used); None and no change if no room."""
+    def prepare_store(self, keys: list[Key], refuse: bool = False) -> dict[Key, int] | None:
+        """Host slots for the keys not present (present ones count as used); None and no change if no room (or
+        ``refuse``: an injected allocation failure)."""
         new = [key for key in keys if key not in self.slot_of]
         short = len(new) - len(self.free)
         victims: list[Key] | None = []
         if short > 0:
             protected = set(keys)
             victims = self.policy.victims(short, lambda k: k not in protected and self._evictable(k), new)
-        if new and (self.refuse_next or victims is None):
-            self.refuse_next = False
+        if new and (refuse or victims is None):
             self.refusals += 1
             return None
         for key in victims or ():

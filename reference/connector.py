@@ -75,6 +75,7 @@ class ReferenceConnector:
         self._reports: defaultdict[int, list[bool]] = defaultdict(list)  # job id -> each worker's success so far
         self._pending_loads: list[Transfer] = []  # for the next plan
         self._delayed: set[str] = set()  # request_finished delayed their free since the last plan
+        self.refusing: set[str] = set()  # fault injection: the tier refuses these requests' next store
         self._job_ids = itertools.count()
         # worker side
         self._executor: Executor | None = None
@@ -146,8 +147,9 @@ class ReferenceConnector:
         for sched in scheduler_output.scheduled:
             self._update_block_table(sched)
             keys, first = self._storable_keys(sched)
-            slots = self.tier.prepare_store(keys)
+            slots = self.tier.prepare_store(keys, refuse=sched.req_id in self.refusing)
             if slots is None:
+                self.refusing.discard(sched.req_id)
                 continue  # no room for this request's blocks: skip it, never the rest of the batch
             if slots:
                 plan.stores.append(self._store_transfer(sched.req_id, first, keys, slots))
@@ -200,6 +202,7 @@ class ReferenceConnector:
         del self._requests[req_id]
         self._block_tables.pop(req_id, None)
         self._cursors.pop(req_id, None)
+        self.refusing.discard(req_id)
         if any(t.req_id == req_id and t.kind == "store" for t in self._unfinished.values()):
             self._delayed.add(req_id)  # stores still read its blocks
             return True
@@ -286,5 +289,5 @@ class ReferenceConnector:
             jobs=tuple(sorted((t.req_id, t.kind, t.copies) for t in self._unfinished.values())),
         )
 
-    def refuse_next_store(self) -> None:
-        self.tier.refuse_next = True
+    def refuse_next_store(self, req_id: str) -> None:
+        self.refusing.add(req_id)

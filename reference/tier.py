@@ -23,7 +23,6 @@ class LRUTier:
         self.slots: OrderedDict[Key, Slot] = OrderedDict()  # least recently used first
         self.free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
         self.events: list[Event] = []
-        self.refuse_next = False
         self.refusals = 0  # prepare_store calls that found no room
 
     def lookup(self, keys: list[Key]) -> int:
@@ -50,13 +49,13 @@ class LRUTier:
     def evictable(self, protected: set[Key]) -> list[Key]:
         return [key for key, slot in self.slots.items() if slot.ready and slot.refs == 0 and key not in protected]
 
-    def prepare_store(self, keys: list[Key]) -> dict[Key, int] | None:
-        """Slots for the keys not stored yet, or None (and no change at all) when the tier cannot make room."""
+    def prepare_store(self, keys: list[Key], refuse: bool = False) -> dict[Key, int] | None:
+        """Slots for the keys not stored yet, or None (and no change at all) when the tier cannot make room (or is
+        told to ``refuse``)."""
         new = [key for key in keys if key not in self.slots]
         shortfall = len(new) - len(self.free)
         victims = self.evictable(set(keys))[:shortfall] if shortfall > 0 else []
-        if new and (self.refuse_next or len(victims) < shortfall):
-            self.refuse_next = False
+        if new and (refuse or len(victims) < shortfall):
             self.refusals += 1
             return None
         self.evict(victims)

@@ -65,6 +65,7 @@ class SpecConnector:
     failed: set[int] = field(factory=set)  # transfers some worker reported as failed
     pending_loads: list[Transfer] = field(factory=list)  # for the next plan
     delayed: set[str] = field(factory=set)  # request_finished delayed their free since the last plan
+    refusing: set[str] = field(factory=set)  # fault injection: the tier refuses these requests' next store
     next_job_id: int = 0
     # worker side (kv and executor: set by register_kv_caches)
     _kv: ListKV | None = None
@@ -122,8 +123,10 @@ class SpecConnector:
         keys = offload_keys(req.block_hashes, self.config.k)
         full = min(full, len(keys))
         start, self.cursors[req.req_id] = self.cursors[req.req_id], max(full, self.cursors[req.req_id])
-        accepted = self.tier.prepare_store(keys[start:full])
-        if not accepted:  # None: refused for lack of room, skip this request only; []: all present already
+        accepted = self.tier.prepare_store(keys[start:full], refuse=req.req_id in self.refusing)
+        if accepted is None:  # refused for lack of room: skip this request only
+            self.refusing.discard(req.req_id)
+        if not accepted:  # ([]: all present already)
             return None
         k, table = self.config.k, self.block_tables[req.req_id]
         copies = [(table[j * k + s], keys[j], s) for j in range(start, full) if keys[j] in accepted for s in range(k)]
@@ -156,6 +159,7 @@ class SpecConnector:
         self._known(request.req_id)
         for state in (self.requests, self.block_tables, self.cursors):
             state.pop(request.req_id, None)
+        self.refusing.discard(request.req_id)
         delay = any(t.req_id == request.req_id and t.kind == "store" for t in self.unfinished.values())
         if delay:
             self.delayed.add(request.req_id)
@@ -235,5 +239,5 @@ class SpecConnector:
             tier_state=self.tier.policy.state(),
         )
 
-    def refuse_next_store(self) -> None:
-        self.tier.refuse_next = True
+    def refuse_next_store(self, req_id: str) -> None:
+        self.refusing.add(req_id)

@@ -3,6 +3,12 @@
 Each function returns nothing when the invariant holds and raises ``Violation`` naming the request, block or key
 when it does not. The world calls the ones tied to a moment (TRACK right after ``build_connector_meta``, FINISH at
 ``request_finished``, SRC/DST when a block is freed or written); the kit calls the state invariants after every rule.
+
+Two kinds, reported under their own headings. SAFETY invariants hold at every step: nothing wrong ever happens (no
+block read after reuse, no wrong bytes served). LIVENESS properties hold *eventually*: something good happens once
+the environment lets it (delayed frees are released, jobs reported, requests finish once no new ones arrive). A
+connector that is cautious (it delays a free longer than its stores need) is safe; how long it waited beyond need is
+reported, not failed, as long as the free comes.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ if TYPE_CHECKING:
     from .types import GpuKV, Job
     from .world import Executor, Request, World
 
-SPEC_VERSION = "0.3"
+SPEC_VERSION = "0.4"
+
+SAFETY = ("TRACK", "SRC", "DST", "CONTENT", "REF", "ATOMIC", "CURSOR", "JOBS", "FINISH", "FAIL", "LOOKUP")
+LIVENESS = ("RELEASE", "QUIESCE", "PROGRESS")
 
 
 class Violation(AssertionError):
@@ -30,8 +39,16 @@ class Violation(AssertionError):
     coverage: Coverage | None = None
 
     def __init__(self, invariant: str, message: str) -> None:
-        super().__init__(f"[kvoffload spec {SPEC_VERSION}] {invariant}: {message}")
         self.invariant = invariant
+        super().__init__(f"[kvoffload spec {SPEC_VERSION}] {self.kind} · {invariant}: {message}")
+
+    @property
+    def kind(self) -> str:
+        """The heading it is reported under: "safety", "liveness", "connector error" (RAISED) or "equivalence"
+        (EQUIV: the exact level's comparison with the spec)."""
+        if self.invariant in LIVENESS:
+            return "liveness"
+        return {"RAISED": "connector error", "EQUIV": "equivalence"}.get(self.invariant, "safety")
 
     @property
     def finding(self) -> str:
@@ -219,15 +236,15 @@ def jobs(world: World) -> None:
 
 
 def finish(req: Request, delayed: bool, stores: list[Job]) -> None:
-    """FINISH — ``request_finished`` delays the free iff a store of the request is still in flight.
+    """FINISH (safety) — ``request_finished`` delays the free while a store of the request is still in flight.
 
-    Prevents freeing blocks that a store still reads (they are reused and the store copies another prefix) and,
-    the other way, blocks that are never freed. (A request that finishes while its load is in flight keeps its
-    blocks anyway: the engine frees them when ``finished_recving`` names it, as vLLM does.)
+    Prevents freeing blocks that a store still reads (they are reused and the store copies another prefix). Delaying
+    with nothing in flight is safe; RELEASE requires that such a free still comes, and the report counts the steps it
+    waited beyond need. (A request that finishes while its load is in flight keeps its blocks anyway: the engine
+    frees them when ``finished_recving`` names it, as vLLM does.)
     """
-    _require(delayed == bool(stores), "FINISH",
-             f"request {req.req_id}: request_finished returned delay={delayed} with "
-             f"{len(stores)} store(s) in flight")
+    _require(delayed or not stores, "FINISH",
+             f"request {req.req_id}: request_finished returned delay=False with {len(stores)} store(s) in flight")
 
 
 def completions(world: World, executor: Executor, output: WorkerOutput, load_errors: set[int]) -> None:
@@ -247,7 +264,7 @@ def completions(world: World, executor: Executor, output: WorkerOutput, load_err
     _require(output.finished_recving == loaded, "JOBS",
              f"step {world.step_no}: finished_recving {sorted(output.finished_recving)}, loads done {sorted(loaded)}")
     for req_id in output.finished_sending:
-        _require(req_id in world.delayed and not executor.of(req_id), "JOBS",
+        _require("sending" in world.holds.get(req_id, ()) and not executor.of(req_id), "JOBS",
                  f"step {world.step_no}: finished_sending names {req_id}, which has no delayed free pending "
                  f"or still has jobs")
 
@@ -263,14 +280,26 @@ def lookup(req: Request, num_local: int, num_external: int | None, is_async: boo
     _require(num_external == 0 or is_async, "LOOKUP", f"request {req.req_id}: a tier hit must load asynchronously")
 
 
+def release(world: World) -> None:
+    """RELEASE (liveness) — every delayed free is released once its stores completed: after draining, the workers
+    have named every delayed request in ``finished_sending``.
+
+    Prevents blocks that are never returned to the engine: a connector that delays a free and never reports it
+    shrinks the GPU pool by those blocks for good.
+    """
+    _require(not world.delayed, "RELEASE",
+             f"step {world.step_no}: delayed frees of {sorted(world.delayed)} never released, with no transfer "
+             f"left in flight")
+
+
 def quiesce(world: World, obs: Observation | None) -> None:
-    """QUIESCE — once every request finished and every transfer drained, nothing is left behind.
+    """QUIESCE (liveness) — once every request finished and every transfer drained, nothing is left behind.
 
     Prevents leaks that only show after hours: per-request state never dropped, entries pinned forever, blocks
     never returned to the engine.
     """
     leftovers: Iterable[str] = (
-        *(f"request {r}" for r in world.requests), *(f"delayed free of {r}" for r in world.delayed),
+        *(f"request {r}" for r in world.requests),
         *(f"job {j.job_id}" for j in world.open_jobs.values()),
         *(f"job {j.job_id} on a worker" for j in world.in_flight()),
         *(["an undelivered step output"] if world.undelivered else []),
@@ -284,11 +313,11 @@ def quiesce(world: World, obs: Observation | None) -> None:
     _require(not leftovers, "QUIESCE", "left after draining: " + ", ".join(leftovers))
 
 
-def liveness(world: World, bound: int) -> None:
-    """LIVENESS — once no new requests arrive, every live request finishes within ``bound`` engine steps.
+def progress(world: World, bound: int) -> None:
+    """PROGRESS (liveness) — once no new requests arrive, every live request finishes within ``bound`` engine steps.
 
     Prevents livelock: a tier entry whose load keeps failing, offered again after every recompute, makes a lone
     request load, fail and recompute forever under ``kv_load_failure_policy="recompute"``.
     """
-    _require(not world.requests, "LIVENESS",
+    _require(not world.requests, "PROGRESS",
              f"step {world.step_no}: requests {sorted(world.requests)} still unfinished after {bound} steps")

@@ -153,7 +153,6 @@ class Tier:
     policy: LRU | ARC = field()
     entries: dict[Key, Entry] = field(factory=dict)
     events: list[Event] = field(factory=list)
-    refuse_next: bool = False  # fault injection: the next store that needs room is refused
 
     @policy.default
     def _lru(self) -> LRU:
@@ -191,15 +190,14 @@ class Tier:
             if entry.stale and not entry.refs:
                 self._remove([key])
 
-    def prepare_store(self, keys: list[Key]) -> list[Key] | None:
+    def prepare_store(self, keys: list[Key], refuse: bool = False) -> list[Key] | None:
         """Reserve entries for the keys not present and mark the present ones used; None, changing nothing, if
-        there is no room."""
+        there is no room (or ``refuse``: fault injection, as if there were none)."""
         fresh = [k for k in keys if k not in self.entries]
         short = max(len(self.entries) + len(fresh) - self.capacity, 0)
         victims = self.policy.victims(short, lambda k: self.entries[k].ready and not self.entries[k].refs
                                       and k not in keys, fresh)
-        if fresh and (self.refuse_next or victims is None):
-            self.refuse_next = False
+        if fresh and (refuse or victims is None):
             return None
         for key in victims or ():
             del self.entries[key]

@@ -177,11 +177,13 @@ class Connector(Protocol):
 
 
 CONNECTOR_METHODS = tuple(name for name in vars(Connector) if not name.startswith("_"))
+# Optional, called only when the connector has it: ``on_new_request(request)`` as a request arrives, before any
+# lookup (vLLM's scheduler calls it from ``add_request``).
 
 # What an adapter declares in ``capabilities``. The kit runs a rule or checks an invariant that needs one only when
 # it is declared, and reports every rule it skipped with the reason, so nothing passes silently.
 OBSERVE = "observe"  # observe() -> Observation: block tables, cursors, tier, transfers (TRACK, REF, CURSOR, exact)
-REFUSE_STORE = "refuse_store"  # refuse_next_store(): the kit makes the tier's next store allocation fail
+REFUSE_STORE = "refuse_store"  # refuse_next_store(req_id): the tier's next store allocation for that request fails
 TRANSFER_FAILURES = "transfer_failures"  # failed transfers are reported (success=False) and recovered from
 # A protocol, not an extra: the connector frees a finished request's blocks at once, even under stores in flight,
 # and flushes those stores before any of the blocks is written again (vLLM's OffloadingConnector does this).
@@ -200,7 +202,7 @@ class Observable(Protocol):
 
 
 class Refusable(Protocol):
-    def refuse_next_store(self) -> None: ...
+    def refuse_next_store(self, req_id: str) -> None: ...
 
 
 class Resettable(Protocol):

@@ -196,6 +196,11 @@ class Request:
         self.tokens += continuation(self.tokens, n)
         extend_block_hashes(self.tokens, self.block_size, self.content_hashes)
 
+    def drop_undelivered(self) -> None:
+        """Sampled tokens the scheduler never saw are forgotten (they will be sampled again)."""
+        del self.tokens[self.num_tokens:]
+        del self.content_hashes[len(self.tokens) // self.block_size:]
+
     def deliver(self, n: int) -> None:
         """``n`` more sampled tokens reach the scheduler: their block hashes exist from now on."""
         self.num_tokens += n
@@ -310,6 +315,11 @@ class World:
     requests: dict[str, Request] = field(factory=dict)  # live: not finished
     history: dict[str, Request] = field(factory=dict)  # every request ever added: what its blocks should hold
     delayed: dict[str, Request] = field(factory=dict)  # finished, blocks held until the workers say so
+    # a delayed free -> what still holds it: "sending" (the connector delayed it), "recving" (its load is in flight)
+    holds: dict[str, set[str]] = field(factory=dict)
+    # a free the connector delayed -> the step its last store was reported (None while one is in flight)
+    needed_until: dict[str, int | None] = field(factory=dict)
+    beyond_need: Counter[int] = field(factory=Counter)  # released delayed frees, by steps held beyond need
     waiting: deque[Request] = field(factory=deque)
     running: list[Request] = field(factory=list)
     finished_since_step: set[str] = field(factory=set)
@@ -358,6 +368,10 @@ class World:
         self.requests[req.req_id] = self.history[req.req_id] = req
         self.waiting.append(req)
         self.stats["requests"] += 1
+        on_new_request = getattr(self.connector, "on_new_request", None)  # optional: vLLM calls it on arrival
+        if on_new_request is not None:
+            on_new_request(req)
+            req.looked_up = True  # told of it: it hears of its finish too, even if it is never looked up
         return req
 
     def reset_prefix_cache(self) -> None:
@@ -373,7 +387,7 @@ class World:
         if self.delayed or any(r.blocks and r.state is not State.RUNNING for r in self.requests.values()):
             return False
         while self.running:
-            self._preempt(self.running.pop())
+            self._preempt(self.running.pop(), drop_in_flight=True)
         self.reset_prefix_cache()
         self.epoch += 1
         for executor in self.executors:
@@ -525,11 +539,20 @@ class World:
             req.blocks += new
         return new
 
-    def _preempt(self, req: Request) -> None:
-        self.pool.release(req.blocks)  # in-flight stores are flushed by the workers before the forward pass
-        if self.undelivered:  # vLLM still delivers a preempted request's in-flight tokens: deliver them now
+    def _preempt(self, req: Request, drop_in_flight: bool = False) -> None:
+        """Free a running request's blocks and queue it again. Its in-flight tokens (async scheduling) are
+        delivered, as vLLM delivers them before the request may run again; with ``drop_in_flight`` (a weight
+        update: vLLM's ``drop_stale_output``) they are dropped and sampled again."""
+        if self.undelivered:
             self.undelivered.samples = [s for s in self.undelivered.samples if s[0] is not req]
-        req.deliver(len(req.tokens) - req.num_tokens)
+        if drop_in_flight:
+            req.drop_undelivered()
+        else:
+            req.deliver(len(req.tokens) - req.num_tokens)
+        if req.num_output_tokens >= req.max_tokens:  # its last token was in flight: it finishes, not waits
+            self._finish(req, State.FINISHED)
+            return
+        self.pool.release(req.blocks)  # in-flight stores are flushed by the workers before the forward pass
         req.blocks, req.num_computed_tokens, req.num_cached_blocks, req.num_final_tokens = [], 0, 0, 0
         req.num_placeholders = req.rollback = 0
         req.state, req.resumed = State.PREEMPTED, True
@@ -628,16 +651,28 @@ class World:
                     self.stats["failed_transfers"] += 1
                 elif job.kind == "store":
                     self.stats["blocks_stored"] += len(job.copies)
+                if job.req_id in self.needed_until and all(j.kind != "store" for j in self.jobs_of(job.req_id)):
+                    self.needed_until[job.req_id] = self.step_no  # its free is not needed any more
 
     def _apply_worker_output(self, output: WorkerOutput, load_errors: set[int]) -> None:
         self.bad_blocks |= load_errors  # another worker may finish this load later
         for req_id in sorted(output.finished_sending):  # sorted: set order must not steer block reuse
-            self._release(self.delayed.pop(req_id).blocks)
+            self._unhold(req_id, "sending")
         for req_id in sorted(output.finished_recving):
-            if req_id in self.delayed:  # finished while its load was in flight: now the blocks can go
-                self._release(self.delayed.pop(req_id).blocks)
+            if req_id in self.delayed:  # finished while its load was in flight
+                self._unhold(req_id, "recving")
                 continue
             self._load_landed(self.requests[req_id])
+
+    def _unhold(self, req_id: str, what: str) -> None:
+        """One hold on a delayed free ends; the blocks go once none is left."""
+        self.holds[req_id].discard(what)
+        needed_until = self.needed_until.pop(req_id, None) if what == "sending" else None
+        if needed_until is not None:  # how long the connector held it beyond its last store, for the report
+            self.beyond_need[self.step_no - needed_until] += 1
+        if not self.holds[req_id]:
+            del self.holds[req_id]
+            self._release(self.delayed.pop(req_id).blocks)
 
     def _load_landed(self, req: Request) -> None:
         bs = self.config.block_size
@@ -683,8 +718,11 @@ class World:
             delay = self.connector.request_finished(req, list(req.blocks))
             if not self.fenced:
                 invariants.finish(req, delay, stores)
-        if delay or loading:
-            self.delayed[req.req_id] = req
+            if delay:
+                self.needed_until[req.req_id] = None if stores else self.step_no
+        holds = {what for what, on in (("sending", delay), ("recving", loading)) if on}
+        if holds:
+            self.delayed[req.req_id], self.holds[req.req_id] = req, holds
         else:
             self._release(req.blocks)
 
@@ -727,13 +765,13 @@ class World:
         self.stats["checks"] += 1
 
     def run_to_completion(self) -> None:
-        """LIVENESS: with no new requests, every live request finishes within a bound of engine steps."""
+        """PROGRESS: with no new requests, every live request finishes within a bound of engine steps."""
         bound = 20 + 4 * sum(len(r.prompt) + r.max_tokens for r in self.requests.values())
         steps = 0
         while self.requests and steps < bound:
             self.step()
             steps += 1
-        invariants.liveness(self, bound)
+        invariants.progress(self, bound)
 
     def fits(self) -> bool:
         """The live requests fit the GPU pool together. (When they do not, the engine itself can deadlock: waiting
@@ -744,7 +782,7 @@ class World:
         return need + sum(len(r.blocks) for r in self.delayed.values()) <= self.config.num_gpu_blocks
 
     def drain(self, max_steps: int = 12) -> None:
-        """Abort everything, let every transfer finish, and check QUIESCE."""
+        """Abort everything, let every transfer finish, and check RELEASE and QUIESCE."""
         for req in list(self.requests.values()):
             self.abort(req)
         for _ in range(max_steps):
@@ -753,6 +791,7 @@ class World:
             for executor in self.executors:
                 executor.drain()
             self.step()
+        invariants.release(self)
         invariants.quiesce(self, self.observe() if self.observable else None)
 
     def observe(self) -> Observation:

@@ -152,12 +152,15 @@ class ConformanceMachine(RuleBasedStateMachine):
             for world in self.worlds:
                 world.update_weights() if weights else world.reset_prefix_cache()
 
-    @needs(REFUSE_STORE)
-    @rule()
-    def refuse_next_store(self) -> None:
-        with self._rule("refuse_next_store"):
+    @needs(REFUSE_STORE, state=lambda self: self.subject.requests)
+    @rule(i=st.integers(0, 63))
+    def refuse_next_store(self, i: int) -> None:
+        """The tier refuses the next store allocation made for one live request (picked by index), as a full tier
+        would: the seed bug's trigger."""
+        with self._rule("refuse_next_store", i=i):
             for world in self.worlds:
-                cast(Refusable, world.connector).refuse_next_store()  # the precondition checked REFUSE_STORE
+                live = list(world.requests)
+                cast(Refusable, world.connector).refuse_next_store(live[i % len(live)])  # REFUSE_STORE was checked
 
     @needs(switch="delay", state=lambda self: any(self.subject.in_flight()))
     @rule(picks=st.lists(st.tuples(st.integers(0, 63), st.booleans()), min_size=1, max_size=8))
@@ -185,7 +188,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             self._compare()
 
     def teardown(self) -> None:
-        """Let the live requests finish (LIVENESS), then drain everything (QUIESCE)."""
+        """Let the live requests finish (PROGRESS), then drain everything (RELEASE, QUIESCE)."""
         try:
             if not self.failed:
                 with self._guard():
@@ -198,6 +201,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                     self._compare()
         finally:
             self.coverage.world.update(self.subject.stats)
+            self.coverage.beyond_need.update(self.subject.beyond_need)
 
     def _compare(self) -> None:
         """Exact level: the subject's world and observations equal the spec's, field by field."""

@@ -1,5 +1,7 @@
 """Small third-party-style adapters for the kit's own tests (importable, so their traces replay by name)."""
 
+from attrs import evolve
+
 from kvoffload.spec import CONNECTOR_METHODS, Config, SpecConnector
 from kvoffload.spec.kit import Scenario
 
@@ -27,3 +29,34 @@ class RaisesAtFinish(SpecConnector):
 
     def request_finished(self, request, block_ids):
         raise IndexError("slot out of range")
+
+
+class DelaysEveryFree(SpecConnector):
+    """Cautious, and safe: every free is delayed, whether or not a store is in flight, and each delayed request is
+    reported in finished_sending only ``HOLD`` polls after its stores drained."""
+
+    HOLD = 2
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.held: dict[str, int] = {}  # drained, polls still to wait
+
+    def request_finished(self, request, block_ids):
+        super().request_finished(request, block_ids)
+        self.delayed.add(request.req_id)
+        return True
+
+    def get_finished(self, finished_req_ids):
+        output = super().get_finished(finished_req_ids)
+        for req_id in output.finished_sending:
+            self.held[req_id] = self.HOLD
+        sending = {r for r, n in self.held.items() if n == 0}
+        self.held = {r: n - 1 for r, n in self.held.items() if n}
+        return evolve(output, finished_sending=frozenset(sending))
+
+
+class NeverReleases(SpecConnector):
+    """Unsafe in no step, but a delayed free that is never reported: the blocks never return to the engine."""
+
+    def get_finished(self, finished_req_ids):
+        return evolve(super().get_finished(finished_req_ids), finished_sending=frozenset())

@@ -83,7 +83,7 @@ def test_the_plugin_runs_the_kit_and_writes_a_trace_that_replays(pytester):
     result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines(["*FINISH: request r* delay=False*", "*replay: python -m kvoffload.spec.kit.trace*",
                                  "*kvoffload kit coverage*", "test_fifo.py::test_fifo_connector",
-                                 "*: * programs, * rules, * engine steps", "*invariants: CONTENT *"])
+                                 "*: * programs, * rules, * engine steps", "*safety: *CONTENT *"])
     trace = pytester.path / "kvoffload-traces" / "test_broken_connector.jsonl"
     assert trace.exists()
     failure = next(line.split("Violation: ")[1] for line in result.stdout.lines if "Violation: [kvoffload" in line)

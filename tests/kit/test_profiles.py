@@ -14,7 +14,7 @@ import kvoffload.spec.kit.runners  # every kit module, profiles registered
 from kvoffload.spec.kit import load_profile
 
 assert settings.get_profile("pr").max_examples == 7 and settings.default.max_examples == 7, "the kit replaced pr"
-assert load_profile("pr").max_examples == 60 == settings.default.max_examples  # asked for: ours
+assert load_profile("pr").max_examples == 120 == settings.default.max_examples  # asked for: ours
 assert load_profile("kvoffload-mutation").stateful_step_count == 60
 assert load_profile().max_examples == 2000  # $HYPOTHESIS_PROFILE=nightly
 print("ok")

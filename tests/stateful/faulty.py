@@ -18,8 +18,9 @@ class BreakOnRefusedStore(ReferenceConnector):
         for sched in scheduler_output.scheduled:
             self._update_block_table(sched)
             keys, first = self._storable_keys(sched)
-            slots = self.tier.prepare_store(keys)
+            slots = self.tier.prepare_store(keys, refuse=sched.req_id in self.refusing)
             if slots is None:
+                self.refusing.discard(sched.req_id)
                 break  # the bug: should be `continue`
             if slots:
                 plan.stores.append(self._store_transfer(sched.req_id, first, keys, slots))
@@ -49,10 +50,10 @@ class CursorNotRewound(ReferenceConnector):
 
 
 class _EvictThenRefuseTier(LRUTier):
-    def prepare_store(self, keys):
+    def prepare_store(self, keys, refuse=False):
         new = [key for key in keys if key not in self.slots]
         self.evict(self.evictable(set(keys))[:max(len(new) - len(self.free), 0)])  # the bug: evicts first
-        return super().prepare_store(keys)
+        return super().prepare_store(keys, refuse)
 
 
 class EvictBeforeRefusing(ReferenceConnector):

@@ -155,7 +155,7 @@ def test_a_request_preempted_then_aborted_still_has_its_stores_flushed():
 
 def test_async_delivery_hands_over_only_the_tokens_of_the_delivered_step():
     """Found in an async + draft scenario: delivering step N's output made *every* sampled token visible, step
-    N+1's too, so placeholders went negative and the request was never scheduled again (LIVENESS)."""
+    N+1's too, so placeholders went negative and the request was never scheduled again (PROGRESS)."""
     config = Config(async_scheduling=True, num_spec_tokens=3)
     world = World(config, SpecConnector(config), ListKV(16), Executor(delay=1), observable=True)
     req = world.add_request([0], max_tokens=7)
@@ -183,9 +183,9 @@ def test_the_cursor_of_a_request_preempted_by_a_weight_update_is_judged_next_ste
 
 
 def test_liveness_is_only_judged_where_the_engine_cannot_stall_by_itself():
-    """Found when LIVENESS arrived: two waiting requests that each hold loaded blocks, with the pool empty, wait for
-    each other forever, in vLLM as in the world (waiting requests are never preempted). That is the engine's
-    deadlock, not the connector's: liveness is checked only when the live requests fit the pool together."""
+    """Found when PROGRESS (then named LIVENESS) arrived: two waiting requests that each hold loaded blocks, with the
+    pool empty, wait for each other forever, in vLLM as in the world (waiting requests are never preempted). That is
+    the engine's deadlock, not the connector's: PROGRESS is checked only when the live requests fit the pool."""
     config = Config()
     world = World(config, SpecConnector(config), ListKV(16), Executor(), observable=True)
     long_prompt = [1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0]
@@ -196,3 +196,22 @@ def test_liveness_is_only_judged_where_the_engine_cannot_stall_by_itself():
         world.step()
     stuck = [r for r in world.requests.values() if r.blocks and r.state.value == "waiting"]
     assert len(stuck) == 2 and sum(len(r.blocks) for r in stuck) == config.num_gpu_blocks  # the engine's deadlock
+
+
+def test_a_request_whose_last_token_is_in_flight_at_a_weight_update_samples_it_again():
+    """Found by PROGRESS in black-box mode (seed 0 of pr, 'async' scenario) once pr ran several seeds, with every
+    connector: under async scheduling a weight update preempted a request whose last sampled token was still in
+    flight. The world delivered that token at the preemption, so the request had all its tokens, yet it was queued
+    again and, with nothing left to schedule, stayed running forever. Fixed as vLLM does it: a weight update drops
+    the in-flight output (``drop_stale_output``) and the request samples that position again; an ordinary
+    preemption delivers it, and a request that thereby reaches max_tokens finishes."""
+    config = Config(num_gpu_blocks=18, tier_blocks=3, async_scheduling=True)
+    world = World(config, SpecConnector(config), ListKV(18), Executor(1), observable=True)
+    req = world.add_request([0, 1, 0, 1, 2, 2, 0], max_tokens=2)
+    world.step()
+    world.step()  # samples the last token: in flight (delivered with the next step)
+    assert world.update_weights()
+    assert req.num_output_tokens == 1 and len(req.tokens) == 8  # the in-flight token is dropped
+    world.run_to_completion()  # PROGRESS
+    assert req.state.value == "finished" and req.num_output_tokens == 2
+    world.drain()

@@ -20,7 +20,7 @@ def world_with(connector_class, observable=True, kv=TensorKV) -> World:
     world.add_request([0, 1, 2], max_tokens=5)  # r0: 3 tokens -> its 2nd block fills at step 2
     world.add_request([2, 1, 0, 1], max_tokens=5)  # r1: 4 tokens -> needs a 3rd block at step 2
     world.step()  # both prefilled in one batch
-    world.connector.refuse_next_store()  # r0's store at step 2 is refused
+    world.connector.refuse_next_store("r0")  # r0's store at step 2 is refused
     return world
 
 

@@ -28,10 +28,9 @@ class TierMachine(RuleBasedStateMachine):
 
     @rule(keys=KEYS, refuse=st.booleans())
     def prepare_store(self, keys, refuse):
-        self.spec.refuse_next = self.ref.refuse_next = refuse
         before = self.spec.view(), reference_view(self.ref)
-        accepted = self.spec.prepare_store(keys)
-        slots = self.ref.prepare_store(keys)
+        accepted = self.spec.prepare_store(keys, refuse)
+        slots = self.ref.prepare_store(keys, refuse)
         atomic(before[0], self.spec.view(), accepted)
         atomic(before[1], reference_view(self.ref), slots)
         assert (accepted is None) == (slots is None)

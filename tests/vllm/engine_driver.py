@@ -186,9 +186,11 @@ class Engine:
             pass
 
     def refuse_next_store(self) -> None:
-        """The tier's allocator refuses the next store (in the connector and in its shadow alike)."""
-        self.connector.offload.refuse_next_store()
-        self.connector.shadow.spec.refuse_next_store()
+        """The tier's allocator refuses one live request's next store (in the connector and its shadow alike)."""
+        if self.scheduler.requests:
+            req_id = self.rnd.choice(sorted(self.scheduler.requests))
+            self.connector.offload.refuse_next_store(req_id)
+            self.connector.shadow.spec.refuse_next_store(req_id)
 
     def run(self, steps: int, weight_updates: float = 0.01) -> None:
         for _ in range(steps):

@@ -48,9 +48,10 @@ class Driver:
         self.next_id += 1
 
     def step(self) -> None:
-        if self.rnd.random() < 0.15:  # the tier's allocator refuses the next store (both connector and shadow)
-            self.connector.offload.refuse_next_store()
-            self.connector.shadow.spec.refuse_next_store()
+        if self.rnd.random() < 0.15 and self.scheduler.requests:  # the tier refuses one request's next store
+            req_id = self.rnd.choice(sorted(self.scheduler.requests))  # (in the connector and its shadow alike)
+            self.connector.offload.refuse_next_store(req_id)
+            self.connector.shadow.spec.refuse_next_store(req_id)
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
         self.worker.handle_preemptions(meta.preempted)

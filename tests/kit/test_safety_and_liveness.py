@@ -1,0 +1,43 @@
+"""Safety holds at every step, liveness eventually: a cautious connector passes, with its over-delay reported; one
+that never releases fails under the liveness heading, not the safety one."""
+
+import pytest
+
+from kvoffload.spec import SpecConnector, Violation
+from kvoffload.spec.invariants import LIVENESS, SAFETY
+from kvoffload.spec.kit import run_conformance
+
+from .connectors import SCENARIO, DelaysEveryFree, ForgetsDelayedFrees, NeverReleases, RaisesAtFinish
+
+
+def test_a_connector_that_delays_every_free_is_safe_and_its_delay_is_reported():
+    coverage = run_conformance(DelaysEveryFree, SCENARIO, profile="pr")
+    assert coverage.invariants["FINISH"] > 0 and coverage.invariants["RELEASE"] > 0
+    # every free waited: the HOLD polls at least, one step more where no store was in flight at the finish
+    assert coverage.beyond_need and min(coverage.beyond_need) >= DelaysEveryFree.HOLD
+    assert "delayed frees: " in str(coverage) and f"steps held beyond need: {min(coverage.beyond_need)} ×" in str(
+        coverage)
+
+
+def test_the_spec_releases_every_free_as_soon_as_its_stores_drained():
+    coverage = run_conformance(SpecConnector, SCENARIO, profile="pr")
+    assert set(coverage.beyond_need) == {0} and coverage.beyond_need[0] > 0
+
+
+def test_findings_are_reported_under_their_kind():
+    with pytest.raises(Violation) as never:
+        run_conformance(NeverReleases, SCENARIO, profile="pr")
+    assert never.value.finding == "RELEASE" and never.value.kind == "liveness"
+    assert "] liveness · RELEASE: " in str(never.value) and "never released" in str(never.value)
+    with pytest.raises(Violation) as forgets:
+        run_conformance(ForgetsDelayedFrees, SCENARIO, profile="pr")
+    assert forgets.value.finding == "FINISH" and forgets.value.kind == "safety"
+    with pytest.raises(Violation) as raises:
+        run_conformance(RaisesAtFinish, SCENARIO, profile="pr")
+    assert raises.value.kind == "connector error"
+
+
+def test_every_invariant_has_one_kind():
+    assert not set(SAFETY) & set(LIVENESS)
+    assert {Violation(name, "").kind for name in SAFETY} == {"safety"}
+    assert {Violation(name, "").kind for name in LIVENESS} == {"liveness"}
