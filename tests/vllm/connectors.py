@@ -7,7 +7,7 @@ from __future__ import annotations
 from kvoffload.impl import OffloadConnector
 from kvoffload.spec.types import TransferPlan
 from kvoffload.impl.transfer import InlineExecutor
-from kvoffload.impl.testing.blackbox import BlackBox, OffloadingTransfers, vllm_offloading_connector
+from kvoffload.impl.testing.blackbox import BlackBox, vllm_offloading_connector
 from kvoffload.impl.vllm_connector import KVOffloadConnector
 
 
@@ -82,7 +82,17 @@ class SeedBugConnector(KVOffloadConnector):
             self.shadow.production = self.offload
 
 
-class _ReportsFailures(OffloadingTransfers):
+class ChangedReader:
+    """A connector's metadata reader (``Transfers``) with one thing changed by a subclass; the rest is its own."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+
+class _ReportsFailures(ChangedReader):
     """vLLM's worker metadata has no success flag (its worker asserts success): a failed transfer can only be
     reported as done. Declaring failures lets the kit inject them and show what the scheduler side then does."""
 
@@ -109,10 +119,11 @@ class OneResetBetweenSteps(BlackBox):
 def vllm_offloading(config):
     """vLLM's OffloadingConnector in black-box mode, short of its known divergences."""
     box = vllm_offloading_connector(config)
-    return OneResetBetweenSteps(config, box.connector, box.reader, refuse=box.refuse_next_store)
+    return OneResetBetweenSteps(config, box.connector, box.reader, box.vllm, refuse=box.refuse_next_store)
 
 
 def vllm_offloading_with_failures(config):
     """vLLM's OffloadingConnector in black-box mode, with transfer failures injected (known divergence)."""
     box = vllm_offloading_connector(config)
-    return OneResetBetweenSteps(config, box.connector, _ReportsFailures(config.k), refuse=box.refuse_next_store)
+    return OneResetBetweenSteps(config, box.connector, _ReportsFailures(box.reader), box.vllm,
+                                refuse=box.refuse_next_store)

@@ -1,0 +1,303 @@
+"""Black-box mode: any vLLM KV connector (``KVConnectorBase_V1``, scheduler side) driven by the kit's world.
+
+``BlackBox`` is a kit adapter. It feeds the connector real vLLM ``Request``, ``KVCacheBlocks`` and
+``SchedulerOutput`` objects built from the world, and plays the worker side itself: each transfer the connector's
+metadata asks for becomes a world job that the environment executes, holds back and reorders, and completions go
+back in the connector's own worker metadata. Nothing inside the connector is read; the checks come from what it
+emits:
+
+  * every GPU block a store or load names must be in that request's block table, at a full block (a connector
+    whose tracked table drifted, as in the v0.11 seed bug, names blocks the request does not hold, or wrong ones);
+  * the world then checks the bytes each store reads as it executes (SRC), every computed block after every rule
+    (CONTENT: a load from the wrong tier slot shows here), delayed frees, flushes before reuse, completions once.
+
+This module imports no vLLM module: what differs between vLLM releases (where classes live, their fields, how a
+connector is built, how vLLM's own ``OffloadingConnector`` writes its metadata) lives in one small module per
+release, ``vllm_<major>_<minor>`` beside this one, each defining a ``Release`` (the interface below). ``release()``
+picks the one for the installed vLLM; the factories here take it as an argument too. A connector's metadata format
+is its own, so a small ``Transfers`` reader translates it. GPU block ids are shifted by one on the way in and out:
+vLLM reserves block 0 as its null block, the world does not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from functools import partial
+from typing import Any, Callable, Hashable, Iterator, NamedTuple, Protocol
+
+from kvoffload.spec import (FENCED_FREES, GARBAGE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Config, Copy, Event,
+                            Executor, Job, ListKV, Request, SchedulerOutput, State, TransferKind, WorkerOutput,
+                            key_index, registered, require)
+
+NULL_BLOCKS = 1  # vLLM's block 0 is the null block: world block b is vLLM block b + 1
+SUPPORTED = ("0.32", "0.33", "0.11")  # a module vllm_<major>_<minor> each
+
+
+class Transfer(NamedTuple):
+    """One transfer a connector's metadata asks for, read by its ``Transfers`` reader."""
+
+    job_id: int
+    req_id: str
+    kind: str  # "load" | "store"
+    gpu_blocks: tuple[int, ...]  # vLLM ids
+    tier_slots: tuple[Hashable, ...]  # where each GPU block's bytes live in the tier
+    first_position: int | None = None  # the first block's index in the request, if the metadata says
+    keys: tuple[Hashable, ...] | None = None  # the offload key each GPU block is copied under, if the metadata says
+
+
+class Transfers(Protocol):
+    """A connector's metadata format: the transfers it asks for, the jobs to flush, and completions back."""
+
+    failures: bool  # the connector accepts failed transfers (success=False)
+    fenced: bool  # it frees under in-flight stores and names them in a flush list (types.FENCED_FREES)
+
+    def transfers(self, metadata: Any) -> Iterator[Transfer]: ...
+    def flushes(self, metadata: Any, submitted: dict[int, Transfer]) -> set[int]: ...
+    def worker_meta(self, job_results: list[tuple[int, bool]]) -> Any: ...
+
+
+class Release(Protocol):
+    """What one vLLM release's module provides (``vllm_0_32.Release`` and its siblings): the black box's only way
+    to touch vLLM. ``vreq`` is that release's ``Request``; block ids are vLLM's (the null block is 0)."""
+
+    version: str  # "0.32"
+
+    def request(self, req_id: str, prompt: list[int], max_tokens: int, block_size: int) -> Any:
+        """A vLLM request whose ``block_hashes`` follow its tokens, as the engine hashes them."""
+    def set_status(self, vreq: Any, status: str) -> None:
+        """"running", "preempted", "aborted" or "stopped" (a preempted request's progress is reset too)."""
+    def blocks(self, vreq: Any, block_ids: list[int], num_cached: int) -> Any:
+        """The ``KVCacheBlocks`` handed to ``update_state_after_alloc``: the first ``num_cached`` carry their hash."""
+    def scheduler_output(self, out: SchedulerOutput, vreqs: dict[str, Any]) -> Any:
+        """vLLM's ``SchedulerOutput`` for the world's (new, cached, resumed, preempted, finished requests)."""
+    def connector_output(self, sending: set[str], recving: set[str], worker_meta: Any) -> Any:
+        """The ``KVConnectorOutput`` that ``update_connector_output`` receives."""
+    def resets(self, connector: Any) -> bool:
+        """Whether the connector overrides the base class's ``reset_cache`` (which does nothing)."""
+    def create(self, config: Config, name: str, module: str | None, extra: Callable[[int], dict[str, Any]]) -> Any:
+        """The named connector's scheduler side, built as vLLM builds it, over a KV cache shaped like ``config``'s,
+        with ``extra(bytes of one GPU block over all layers)`` as its extra config."""
+    def offloading_connector(self, config: Config) -> BlackBox:
+        """vLLM's own ``OffloadingConnector`` of this release, sized from the config, in black-box mode."""
+    def our_worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
+        """Our ``KVOffloadConnector``'s worker metadata for these results (as it travels in this release)."""
+
+
+def release(version: str | None = None) -> Release:
+    """The adapter for ``version`` ("0.32"), by default for the installed vLLM (imported here, not before)."""
+    if version is None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import vllm
+        version = ".".join(vllm.__version__.split(".")[:2])
+    if version not in SUPPORTED:
+        raise NotImplementedError(f"no black-box adapter for vLLM {version}; supported: {', '.join(SUPPORTED)} "
+                                  f"(add a module vllm_{version.replace('.', '_')} defining Release)")
+    module = importlib.import_module(f"{__name__}.vllm_{version.replace('.', '_')}")
+    return module.Release()
+
+
+class KVOffloadTransfers:
+    """Our ``KVOffloadConnector``: a plan of transfers; a preempted request's stores are flushed."""
+
+    failures, fenced = True, False
+
+    def __init__(self, vllm: Release) -> None:
+        self.vllm = vllm
+
+    def transfers(self, metadata: Any) -> Iterator[Transfer]:
+        for t in (*metadata.plan.loads, *metadata.plan.stores):
+            yield Transfer(t.job_id, t.req_id, t.kind, tuple(t.gpu_blocks), tuple(t.host_rows),
+                           keys=tuple(key for _block, key, _sub in t.copies))
+
+    def flushes(self, metadata: Any, submitted: dict[int, Transfer]) -> set[int]:
+        return {job_id for job_id, t in submitted.items() if t.kind == "store" and t.req_id in metadata.preempted}
+
+    def worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
+        return self.vllm.our_worker_meta(job_results) if job_results else None
+
+
+class BlackBox:
+    """A vLLM connector's scheduler side, plus a played worker side, as a kit adapter."""
+
+    def __init__(self, config: Config, connector: Any, transfers: Transfers, vllm: Release,
+                 refuse: Callable[[str], None] | None = None) -> None:
+        self.config, self.connector, self.reader, self.vllm = config, connector, transfers, vllm
+        self.capabilities = frozenset({name for name, on in (
+            (FENCED_FREES, transfers.fenced), (REFUSE_STORE, refuse), (TRANSFER_FAILURES, transfers.failures),
+            (RESET, vllm.resets(connector))) if on})
+        if refuse:
+            self.refuse_next_store = refuse
+        self.seen: dict[str, tuple[Request, Any]] = {}  # world request, vLLM request
+        self.metadata: Any = None  # this step's, for handle_preemptions (the world passes only the ids)
+        self.pending: dict[int, tuple[Transfer, tuple[Copy, ...]]] = {}  # asked for this step, not submitted
+        self.draining: set[str] = set()  # request_finished returned True; not reported in finished_sending yet
+        self.submitted: dict[int, Transfer] = {}  # submitted, not polled
+        self.tier: dict[Hashable, int] = {}  # tier slot -> content
+        self.load_errors: set[int] = set()
+        self._kv: ListKV | None = None
+        self._executor: Executor | None = None
+        self.local_and_tier_hits = 0  # admissions that took a GPU prefix hit and a tier hit on top of it
+
+    # ---- world -> vLLM ---------------------------------------------------------------------------------------
+    def on_new_request(self, req: Request) -> None:
+        """The world adds a request: vLLM's scheduler tells the connector on arrival, before any lookup (vLLM 0.33
+        holds a lock across a step's lookups and complains when a request arrives inside them)."""
+        vreq = self.vllm.request(req.req_id, list(req.prompt), req.max_tokens, self.config.block_size)
+        self.seen[req.req_id] = (req, vreq)
+        if hasattr(self.connector, "on_new_request"):  # vLLM 0.11 has no such hook
+            self.connector.on_new_request(vreq)
+
+    def _vllm(self, req: Request) -> Any:
+        """The vLLM request mirroring ``req``: same tokens (so the same block hashes), same progress."""
+        vreq = self.seen[req.req_id][1]
+        for token in req.tokens[vreq.num_tokens:req.num_tokens]:  # the tokens the engine has seen
+            vreq.append_output_token_ids(token)
+        vreq.num_computed_tokens = req.num_computed_tokens
+        return vreq
+
+    def _scheduler_output(self, out: SchedulerOutput) -> Any:
+        for s in out.scheduled:
+            self._vllm(self.seen[s.req_id][0])
+        return self.vllm.scheduler_output(out, {req_id: vreq for req_id, (_req, vreq) in self.seen.items()})
+
+    # ---- scheduler side ----------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.connector.get_num_new_matched_tokens(self._vllm(request), num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        vreq = self._vllm(request)
+        self.local_and_tier_hits += bool(num_external_tokens and request.num_computed_tokens)
+        blocks = self.vllm.blocks(vreq, [b + NULL_BLOCKS for b in block_ids], request.num_cached_blocks)
+        self.connector.update_state_after_alloc(vreq, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        self.metadata = self.connector.build_connector_meta(self._scheduler_output(scheduler_output))
+        self.pending = {t.job_id: (t, self._copies(t)) for t in self.reader.transfers(self.metadata)}
+        return self.metadata
+
+    def _copies(self, t: Transfer) -> tuple[Copy, ...]:
+        """What the transfer copies, as (world GPU block, its offload block's key, index inside it). A block that
+        is not where the job says in the request's table, or whose offload block is not full, is a violation here,
+        before anything is copied (each check counted, through ``require``).
+
+        Which invariant a bad block names: the job's blocks are the connector's tracked table as it emits it, so
+        wherever the job itself places a block (its first position, its blocks in request order, the key it files a
+        block under) and the request's real table disagree, the table drifted: TRACK, both tables shown. Only a job
+        whose claims all agree with the real table and that still reaches a position not yet hashed stored too far
+        ahead: CURSOR. (A drifted table often also reaches unhashed positions; naming it CURSOR hid the cause.)"""
+        (req, vreq), k = self.seen[t.req_id], self.config.k
+        blocks = [b - NULL_BLOCKS for b in t.gpu_blocks]
+        tables = f"\n  request's block table: {req.blocks}\n  job's GPU blocks:      {blocks}"
+        claims = f"{t.kind} job {t.job_id} of {t.req_id}"
+        require(not blocks or t.first_position is None or req.blocks[t.first_position:t.first_position + 1]
+                == blocks[:1], "TRACK", f"{claims} starts at GPU block {blocks[:1]} for position {t.first_position}, "
+                                        f"but the request's block table is {req.blocks}{tables}")
+        for block in blocks:  # a load into a block the request does not own would write another request's block
+            require(block in req.blocks, "TRACK" if t.kind == "store" else "DST",
+                    f"{claims} names GPU block {block}, which is not in the request's block table {req.blocks}"
+                    f"{tables}")
+        positions = [req.blocks.index(block) for block in blocks]
+        require(all(a < b for a, b in zip(positions, positions[1:])), "TRACK",
+                f"{claims}: its GPU blocks are not in request order (positions {positions}){tables}")
+        copies = []
+        for i, (block, position) in enumerate(zip(blocks, positions)):
+            last = key_index(position // k, k)  # the key of the offload block holding this position
+            hashed = last < len(req.block_hashes)
+            if t.keys is not None:  # the job says where it files the block (a key in vLLM's hashes): elsewhere?
+                require(last < len(vreq.block_hashes) and t.keys[i] == vreq.block_hashes[last], "TRACK",
+                        f"{claims} files GPU block {block} (position {position}) under key {t.keys[i]!r}, not under "
+                        f"its offload block's key: the tracked table drifted{tables}")
+            require(hashed, "CURSOR", f"{claims} covers position {position}, whose offload block is not full "
+                                      f"({len(req.block_hashes)} full GPU blocks)")
+            copies.append((block, req.block_hashes[last], position % k))
+        return tuple(copies)
+
+    def update_connector_output(self, output: WorkerOutput) -> None:
+        self.connector.update_connector_output(self.vllm.connector_output(
+            set(output.finished_sending), set(output.finished_recving),
+            self.reader.worker_meta(list(output.job_results))))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        vreq = self._vllm(request)
+        self.vllm.set_status(vreq, "aborted" if request.state is State.ABORTED else "stopped")
+        delay, _params = self.connector.request_finished(vreq, [b + NULL_BLOCKS for b in block_ids])
+        if delay:
+            self.draining.add(request.req_id)
+        return bool(delay)
+
+    def reset_cache(self) -> bool:
+        return self.connector.reset_cache() is not False  # vLLM treats None as done
+
+    def take_events(self) -> list[Event]:
+        list(self.connector.take_events())  # its keys are vLLM's hashes: drained, not compared
+        return []
+
+    # ---- the played worker side --------------------------------------------------------------------------------
+    def register_kv_caches(self, kv: ListKV, executor: Executor) -> None:
+        self._kv, self._executor = kv, executor
+
+    @property
+    def kv(self) -> ListKV:
+        return registered(self._kv, "kv")
+
+    @property
+    def executor(self) -> Executor:
+        return registered(self._executor, "executor")
+
+    def handle_preemptions(self, req_ids: frozenset[str]) -> None:
+        flush = self.reader.flushes(self.metadata, self.submitted)
+        self._submit("store", flush)  # a flushed job of this very step is submitted first, as vLLM's worker does
+        self.executor.flush(flush)
+
+    def start_load_kv(self, metadata: Any) -> None:
+        self._submit("load")
+
+    def wait_for_save(self, metadata: Any) -> None:
+        self._submit("store")
+
+    def _submit(self, kind: TransferKind, only: set[int] | None = None) -> None:
+        for job_id, (t, copies) in list(self.pending.items()):
+            if t.kind != kind or (only is not None and job_id not in only):
+                continue
+            del self.pending[job_id]
+            self.submitted[job_id] = t
+            pairs = [(b - NULL_BLOCKS, slot) for b, slot in zip(t.gpu_blocks, t.tier_slots)]
+            self.executor.submit(Job(job_id, t.req_id, kind, copies, partial(self._copy, kind, pairs)))
+
+    def _copy(self, kind: str, pairs: list[tuple[int, Hashable]]) -> None:
+        for block, slot in pairs:
+            if kind == "store":
+                self.tier[slot] = self.kv.read(block)
+            else:
+                self.kv.write(block, self.tier.get(slot, GARBAGE))
+
+    def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
+        results = self.executor.poll()
+        done = [self.submitted.pop(job_id) for job_id, _success in results]
+        self.load_errors |= {b - NULL_BLOCKS for t, (_id, success) in zip(done, results)
+                             if t.kind == "load" and not success for b in t.gpu_blocks}
+        busy = {t.req_id for t in self.submitted.values()}
+        sending = {r for r in self.draining if r not in busy}
+        self.draining -= sending
+        return WorkerOutput(frozenset(sending), frozenset(t.req_id for t in done if t.kind == "load"), tuple(results))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+
+def vllm_offloading_connector(config: Config, vllm: Release | None = None) -> BlackBox:
+    """A kit factory: vLLM's own ``OffloadingConnector`` of the installed release (or of ``vllm``), with its real
+    CPU manager, sized from the config, store refusals injected at its manager."""
+    return (vllm or release()).offloading_connector(config)
+
+
+def kvoffload_connector(config: Config, name: str = "KVOffloadConnector",
+                        module: str = "kvoffload.impl.vllm_connector", vllm: Release | None = None) -> BlackBox:
+    """A kit factory: our own vLLM connector (or a subclass, by name and module) in black-box mode."""
+    vllm = vllm or release()
+    connector = vllm.create(config, name, module, lambda block_bytes: {
+        "tier_bytes": block_bytes * config.k * config.tier_blocks, "offload_block_size": config.offload_block_size,
+        "policy": config.policy})
+    return BlackBox(config, connector, KVOffloadTransfers(vllm), vllm, refuse=connector.offload.refuse_next_store)

@@ -1,0 +1,60 @@
+"""The hunt: a vLLM connector through the kit over a grid of configurations, one line per configuration.
+
+``python -m kvoffload.impl.testing.blackbox [--connector vllm|ours] [--examples N]``, against the installed vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvoffload.spec import Config, Violation
+
+from . import kvoffload_connector, vllm_offloading_connector
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the hunt; 1 if any configuration failed."""
+    import argparse
+    import itertools
+    import logging
+    import time
+
+    from kvoffload.spec.kit import Scenario, run_conformance
+
+    parser = argparse.ArgumentParser(description="vLLM connectors through the kvoffload kit, in black-box mode")
+    parser.add_argument("--connector", choices=("vllm", "ours"), default="vllm",
+                        help="vLLM's OffloadingConnector, or our KVOffloadConnector")
+    parser.add_argument("--profile", default="nightly", help="Hypothesis profile (pr, nightly, mutation)")
+    parser.add_argument("--examples", type=int, default=150, help="programs per configuration")
+    parser.add_argument("--chunk-blocks", type=int, nargs="+", default=[1, 2, 3], help="GPU blocks per CPU chunk")
+    parser.add_argument("--traces", type=Path, default=Path("kvoffload-traces"))
+    args = parser.parse_args(argv)
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # the hunt's own lines, not vLLM's warnings
+    factory = vllm_offloading_connector if args.connector == "vllm" else kvoffload_connector
+    grid = list(itertools.product(args.chunk_blocks, (0, 1, 3), (1, 3, 8), (True, False), ("lru", "arc")))
+    findings: dict[str, list[str]] = {}  # by kind: safety, liveness, connector error, ...
+    for n, (k, delay, tier, prefix_caching, policy) in enumerate(grid, 1):
+        config = Config(num_gpu_blocks=18, offload_block_size=2 * k, tier_blocks=tier, prefix_caching=prefix_caching,
+                        policy=policy)
+        scenario, start = Scenario(config, delay=delay, failures=args.connector == "ours"), time.perf_counter()
+        trace = args.traces / f"{args.connector}-{n}.jsonl"
+        try:
+            coverage = run_conformance(factory, scenario, profile=args.profile, trace=trace,
+                                       max_examples=args.examples)
+            verdict = f"ok   {coverage.world['steps']} steps, {coverage.world['blocks_loaded']} blocks loaded"
+        except Violation as found:  # a finding: report it and go on with the grid
+            verdict = f"FAIL {str(found).splitlines()[0]} (program: {trace})"
+            findings.setdefault(found.kind, []).append(f"[{n}] {found.finding}: {trace}")
+        print(f"[{n}/{len(grid)}] {scenario}: {verdict} ({time.perf_counter() - start:.0f} s)", flush=True)
+    for kind, lines in sorted(findings.items()):
+        print(f"{kind} findings:", *lines, sep="\n  ")
+    failed = sum(map(len, findings.values()))
+    print(f"{len(grid) - failed} of {len(grid)} configurations passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    import sys
+    import warnings
+
+    warnings.simplefilter("ignore", category=UserWarning)  # skipped rules are listed once per run otherwise
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The black box against other vLLM releases, each installed by ``make releases`` in its own venv layered over the
+project's (``.venv-vllm/<release>``), run in a subprocess with that venv's Python:
+
+  * vLLM 0.33: the whole black-box suite (vLLM's own OffloadingConnector, ours, the known divergences);
+  * vLLM 0.11, the release that shipped the seed bug: the documented example finds the bug in vLLM's own code, its
+    trace replays, and the same run passes once its ``break`` is made a ``continue``.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASES = ROOT / ".venv-vllm"
+EXAMPLE = ROOT / "docs" / "examples" / "find_the_seed_bug.py"
+PAGE = ROOT / "docs" / "check-a-vllm-release.md"
+
+
+VLLM_LOG = ("DEBUG ", "INFO ", "WARNING ", "ERROR ")  # vLLM's own log lines, on stdout
+
+
+def python_of(release: str) -> str:
+    python = RELEASES / release / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"vLLM {release} is not installed here: `make releases` installs it (`make test` does)")
+    return str(python)
+
+
+def run(release: str, *args: str, cwd: Path = ROOT, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KVOFFLOAD_MODEL_DIR": str(ROOT / ".cache" / "tiny-llama"), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([python_of(release), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_the_black_box_suite_passes_against_vllm_0_33():
+    done = run("0.33", "-c", "import vllm; print(vllm.__version__)")
+    assert done.stdout.strip().startswith("0.33"), done.stderr[-2000:]
+    done = run("0.33", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/vllm/test_blackbox.py")
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
+
+
+def test_the_kit_finds_the_seed_bug_in_vllm_0_11_and_its_trace_replays(tmp_path):
+    found = run("0.11", str(EXAMPLE), cwd=tmp_path)
+    assert found.returncode == 1, found.stdout[-2000:] + found.stderr[-2000:]
+    printed = [line for line in found.stdout.splitlines() if not line.startswith(VLLM_LOG)]
+    assert printed[0] == "vLLM 0.11: OffloadingConnector in black-box mode", found.stdout
+    finding = printed[1]
+    # the seed bug's two faces: a later request's lost block ids crash the store loop, or a store names the wrong block
+    assert "RAISED: the connector raised IndexError" in finding or "TRACK" in finding, found.stdout
+    assert "state.refuse_next_store(" in found.stdout  # the refusal that triggers it is in the shrunk program
+    replayed = run("0.11", "-m", "kvoffload.spec.kit.trace", "seed-bug.jsonl", cwd=tmp_path)
+    assert replayed.returncode != 0 and finding in replayed.stderr, replayed.stderr[-2000:]
+
+
+FIXED = """
+import inspect, textwrap
+from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector as oc
+source = textwrap.dedent(inspect.getsource(oc.OffloadingConnectorScheduler._get_reqs_to_store))
+assert source.count("break") == 1, "the seed bug's break is not where it was"
+scope = {}
+exec(compile(source.replace("break", "continue"), oc.__file__, "exec"), vars(oc), scope)
+oc.OffloadingConnectorScheduler._get_reqs_to_store = scope["_get_reqs_to_store"]
+exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"), {"__name__": "__main__"})
+"""
+
+
+def test_with_continue_instead_of_break_the_same_run_passes(tmp_path):
+    """The finding is the ``break``: the same scenario and programs pass once that one word is changed."""
+    done = run("0.11", "-c", "import sys\n" + FIXED, str(EXAMPLE), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "kvoffload kit coverage" in done.stdout and "delayed frees:" in done.stdout
+
+
+def test_the_page_shows_the_example_as_it_is():
+    assert EXAMPLE.read_text().split('"""', 2)[2].strip() in PAGE.read_text()
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.11"])
+def test_each_supported_release_has_an_adapter(release):
+    from kvoffload.impl.testing.blackbox import SUPPORTED
+    assert release in SUPPORTED
+    assert (ROOT / "impl" / "testing" / "blackbox" / f"vllm_{release.replace('.', '_')}.py").exists()
+
+
+def test_the_generic_driver_imports_no_vllm():
+    code = ("import sys; import kvoffload.impl.testing.blackbox as b; "
+            "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm imported'; "
+            "print(b.SUPPORTED)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
