@@ -30,7 +30,7 @@ class Group:
     window: int | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.window is not None and (not isinstance(self.window, int) or self.window < 2):
+        if self.window is not None and self.window < 2:
             raise ConfigError(f"a sliding window spans at least 2 tokens, got {self.window!r}")
 
     def skipped_blocks(self, num_tokens: int, block_size: int) -> int:
