@@ -26,17 +26,35 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the demo's own progress 
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 
 
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=1024)
+
+
 def build_tiny_llama(path: Path) -> Path:
     """A 2-layer random Llama saved with ``save_pretrained`` (vocabulary 512): loads with ``skip_tokenizer_init``."""
+    def llama() -> Any:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **TINY))
+    return _save_once(path, llama)
+
+
+def build_tiny_gemma3(path: Path, sliding_window: int = 64) -> Path:
+    """A 4-layer random Gemma-3-style model whose layers alternate sliding-window (``sliding_window`` tokens) and
+    full attention: a hybrid model, which vLLM's CPU build runs with two KV cache groups."""
+    def gemma3() -> Any:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+        return Gemma3ForCausalLM(Gemma3TextConfig(num_hidden_layers=4, head_dim=32, sliding_window=sliding_window,
+                                                  layer_types=["sliding_attention", "full_attention"] * 2, **TINY))
+    return _save_once(path, gemma3)
+
+
+def _save_once(path: Path, make_model: Any) -> Path:
     if not (path / "config.json").exists():
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
         scratch = path.with_name(f"{path.name}.{os.getpid()}")  # parallel test workers may build it at once
-        LlamaForCausalLM(config).save_pretrained(scratch)
+        make_model().save_pretrained(scratch)
         try:
             scratch.rename(path)
         except OSError:  # another process finished first: its model is the same

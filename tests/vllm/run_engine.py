@@ -33,6 +33,8 @@ if __name__ == "__main__":
         result = {"outputs": run_rounds(llm, workload(12, seed=1), rounds=2, max_tokens=8)}
     except Exception as exc:  # noqa: BLE001 - reported to the test, with whatever the connector saw
         result = {"error": f"{type(exc).__name__}: {exc}"}
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    result["kv_cache_groups"] = [type(g.kv_cache_spec).__name__ for g in scheduler.kv_cache_config.kv_cache_groups]
     if config is not None:
         connector = scheduler_connector(llm)
         result["stats"] = connector.stats()
