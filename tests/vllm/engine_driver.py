@@ -172,6 +172,7 @@ class Engine:
     def weight_update(self) -> None:
         """An RL loop's weight update: every running request preempted, the GPU prefix cache and the connector's
         tier dropped. vLLM refuses the preemption while a load holds blocks; the caches are reset anyway."""
+        self.apply_batches_in_flight()
         try:
             self.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
         except RuntimeError:
@@ -179,11 +180,20 @@ class Engine:
         self.counts["weight_updates"] += 1
 
     def drop_gpu_cache(self) -> None:
-        """Preempt everyone and drop the GPU prefix cache (the tier stays): the next hits come from the tier."""
+        """Preempt everyone and drop the GPU prefix cache (the tier stays): the next hits come from the tier.
+        vLLM refuses while a load holds blocks (later then)."""
+        self.apply_batches_in_flight()
         try:
             self.scheduler.reset_prefix_cache(reset_running_requests=True)
-        except RuntimeError:  # vLLM refuses while a load holds blocks; later then
+        except RuntimeError:
             pass
+
+    def apply_batches_in_flight(self) -> None:
+        """Before a cache reset: vLLM 0.33 refuses one while a preempted request's batch is still in flight (its
+        blocks are held until then), so the batches in flight are applied first, as an engine idle enough to take
+        the call has applied them. (vLLM 0.32 freed them at once; there, this changes only the order.)"""
+        while self.batches:
+            self.apply(*self.batches.pop())
 
     def refuse_next_store(self) -> None:
         """The tier's allocator refuses one live request's next store (in the connector and its shadow alike)."""

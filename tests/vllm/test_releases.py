@@ -1,7 +1,8 @@
 """The black box against other vLLM releases, each installed by ``make releases`` in its own venv layered over the
 project's (``.venv-vllm/<release>``), run in a subprocess with that venv's Python:
 
-  * vLLM 0.33: the whole black-box suite (vLLM's own OffloadingConnector, ours, the known divergences);
+  * vLLM 0.33: the whole black-box suite (vLLM's own OffloadingConnector, ours, the known divergences), and our
+    connector behind 0.33's real ``Scheduler`` / ``AsyncScheduler`` and ``KVOutputAggregator`` in every GPU mode;
   * vLLM 0.11, the release that shipped the seed bug: the documented example finds the bug in vLLM's own code, its
     trace replays, and the same run passes once its ``break`` is made a ``continue``.
 """
@@ -35,10 +36,14 @@ def run(release: str, *args: str, cwd: Path = ROOT, timeout: int = 900) -> subpr
                           timeout=timeout)
 
 
-def test_the_black_box_suite_passes_against_vllm_0_33():
+@pytest.mark.parametrize("suite", [
+    ["tests/vllm/test_blackbox.py"],  # vLLM's own OffloadingConnector and ours, in black-box mode
+    ["tests/vllm/test_gpu_modes.py", "tests/vllm/test_scheduler_driven.py"],  # ours behind 0.33's real schedulers
+], ids=["black-box", "real-schedulers"])
+def test_the_vllm_suites_pass_against_vllm_0_33(suite):
     done = run("0.33", "-c", "import vllm; print(vllm.__version__)")
     assert done.stdout.strip().startswith("0.33"), done.stderr[-2000:]
-    done = run("0.33", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/vllm/test_blackbox.py")
+    done = run("0.33", "-m", "pytest", "-q", "-p", "no:cacheprovider", *suite)
     assert done.returncode == 0, done.stdout[-4000:]
     assert " passed" in done.stdout and " failed" not in done.stdout
 
