@@ -26,8 +26,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the demo's own progress 
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 
 
-TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=1024)
+TINY: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=1024)
 
 
 def build_tiny_llama(path: Path) -> Path:
