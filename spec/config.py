@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from attrs import frozen
+
+from .groups import FULL_ATTENTION, Group
 
 T = TypeVar("T")
 
@@ -57,6 +59,10 @@ class Config:
     # How the engine runs (vLLM on GPUs): the connector must be correct in every mode, so the world models them.
     async_scheduling: bool = False  # step N+1 is scheduled before step N's output (tokens, transfers) is applied
     num_spec_tokens: int = 0  # draft tokens scheduled per decode step; rejected ones roll computed tokens back
+    # The model's KV cache groups (a hybrid model has several, e.g. sliding-window and full-attention layers).
+    # Only a connector that declares GROUPS (vLLM's SupportsHMA) sees more than one; for any other, the engine
+    # turns its hybrid manager off and every layer gets full-attention blocks, as vLLM does.
+    groups: tuple[Group, ...] = FULL_ATTENTION
 
     def __attrs_post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "offload_block_size", "tier_blocks", "token_budget",
@@ -68,6 +74,8 @@ class Config:
                 f"offload_block_size ({self.offload_block_size} tokens) must be a multiple of "
                 f"block_size ({self.block_size} tokens)"
             )
+        if not self.groups or not all(isinstance(g, Group) for g in cast(tuple[object, ...], self.groups)):
+            raise ConfigError(f"groups must be one or more Group, got {self.groups!r}")
         if self.policy not in ("lru", "arc"):
             raise ConfigError(f"unknown eviction policy {self.policy!r}; known: 'lru', 'arc'")
 

@@ -15,6 +15,11 @@ Scheduler side
   * a transfer is complete once every worker reported it (tensor parallelism: each holds a shard of every block);
     it succeeded only if every worker's part did. A failed load makes its entries stale (never offered again).
   * reset_cache (a weight update): every entry goes stale; stores in flight never become loadable.
+  * a hybrid model (GROUPS, several KV cache groups): one block table per group, and each group's blocks are keyed
+    by hash and group (``group_key``). A hit must be usable by every group (``groups.longest_hit``: a sliding
+    window needs only its last blocks, and its older positions are never loaded); a store skips the blocks a window
+    may have freed; the stores that still read such blocks are flushed before the forward pass, since the engine
+    frees them without telling and may reuse them at once.
 
 Worker side
   * loads are submitted in start_load_kv, stores in wait_for_save (after the forward pass wrote the blocks);
@@ -27,14 +32,16 @@ from __future__ import annotations
 
 from collections import Counter
 from functools import partial
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Sequence, cast
 
 from attrs import define, field
 
 from .config import Config, UnknownRequestError, registered
+from .groups import longest_hit
 from .tier import Tier
-from .types import (OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Copy, Event, Job, Key, Observation,
-                    RequestView, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput, offload_keys)
+from .types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, BlockIds, Copy, Event, Job,
+                    Key, Observation, RequestView, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput,
+                    group_key, offload_keys)
 from .world import Executor, ListKV
 
 
@@ -54,11 +61,11 @@ class Transfer:
 
 @define
 class SpecConnector:
-    capabilities: ClassVar[frozenset[str]] = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET})
+    capabilities: ClassVar[frozenset[str]] = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET, GROUPS})
     config: Config
     tier: Tier = field()
     requests: dict[str, RequestView] = field(factory=dict)
-    block_tables: dict[str, list[int]] = field(factory=dict)
+    block_tables: dict[str, list[list[int]]] = field(factory=dict)  # one per KV cache group
     cursors: dict[str, int] = field(factory=dict)  # the store cursor, in offload blocks
     unfinished: dict[int, Transfer] = field(factory=dict)  # built, not yet reported by every worker
     reports: Counter[int] = field(factory=Counter)  # job id -> workers that reported it
@@ -86,17 +93,29 @@ class SpecConnector:
             return 0, False
         per = self.config.offload_block_size
         start, limit = num_computed_tokens // per, (request.num_tokens - 1) // per
-        hits = self.tier.lookup(offload_keys(request.block_hashes, self.config.k, start, limit))
-        return ((start + hits) * per - num_computed_tokens, True) if hits else (0, False)
+        keys = offload_keys(request.block_hashes, self.config.k, 0, limit)  # blocks before start are on the GPU
+        end = longest_hit(self.config.groups, per, len(keys),
+                          lambda g, j: j < start or self.tier.lookup([group_key(keys[j], g)]) == 1)
+        return ((end * per - num_computed_tokens), True) if end > start else (0, False)
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
+    def _tables(self, block_ids: Sequence[int] | Sequence[Sequence[int]] | None) -> list[list[int]]:
+        """Block ids as the engine hands them (one sequence per group in a hybrid model): one table per group."""
+        if block_ids is None:
+            return [[] for _ in self.config.groups]
+        if len(self.config.groups) > 1:
+            return [list(cast(Sequence[int], t)) for t in block_ids]
+        return [list(cast(Sequence[int], block_ids))]
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds, num_external_tokens: int) -> None:
         req = self._known(request.req_id)
-        self.block_tables[req.req_id], self.cursors[req.req_id] = list(block_ids), 0
+        tables = self.block_tables[req.req_id] = self._tables(block_ids)
+        self.cursors[req.req_id] = 0
         if num_external_tokens:
             bs, k = self.config.block_size, self.config.k
             keys = offload_keys(req.block_hashes, k)
             first, end = req.num_computed_tokens // bs, (req.num_computed_tokens + num_external_tokens) // bs
-            copies = [(block_ids[i], keys[i // k], i % k) for i in range(first, end)]
+            copies = [(table[i], group_key(keys[i // k], g), i % k) for g, table in enumerate(tables)
+                      for i in range(first, end) if table[i] != NULL_BLOCK]  # a window's older blocks: not loaded
             load = self._new_transfer(req.req_id, "load", copies)
             self.tier.prepare_load(load.keys)
             self.pending_loads.append(load)
@@ -105,31 +124,52 @@ class SpecConnector:
         meta = TransferPlan(self.pending_loads, [], frozenset(self.delayed))
         self.pending_loads, self.delayed = [], set()
         for req_id in scheduler_output.preempted_req_ids & self.block_tables.keys():  # it may have finished since
-            self.block_tables[req_id], self.cursors[req_id] = [], 0
+            self.block_tables[req_id], self.cursors[req_id] = self._tables(None), 0
+        flush: set[int] = set()
         for s in scheduler_output.scheduled:
             req = self._known(s.req_id)
+            flush |= self._stores_outside_windows(s.req_id, s.num_computed_tokens)
             if s.kind == "running":
-                self.block_tables[s.req_id] += s.block_ids or ()
+                for table, new in zip(self.block_tables[s.req_id], self._tables(s.group_block_ids or s.block_ids)):
+                    table += new
             else:
-                self.block_tables[s.req_id], self.cursors[s.req_id] = list(s.block_ids or ()), 0
-            store = self._store(req, (s.num_computed_tokens + s.num_scheduled_tokens) // self.config.offload_block_size)
+                self.block_tables[s.req_id] = self._tables(s.group_block_ids or s.block_ids or ())
+                self.cursors[s.req_id] = 0
+            store = self._store(req, s.num_computed_tokens,
+                                (s.num_computed_tokens + s.num_scheduled_tokens) // self.config.offload_block_size)
             if store:
                 meta.stores.append(store)
+        meta.flush = frozenset(flush)
         return meta
 
-    def _store(self, req: RequestView, full: int) -> Transfer | None:
+    def _stores_outside_windows(self, req_id: str, computed: int) -> set[int]:
+        """Stores of this request that read a block its sliding windows left behind: the engine may have freed it
+        this step (it does not say), so they finish before the forward pass writes anything."""
+        tables, bs = self.block_tables.get(req_id, []), self.config.block_size
+        left = {b for table, group in zip(tables, self.config.groups)
+                for b in table[:group.skipped_blocks(computed, bs)]}
+        return {t.job_id for t in self.unfinished.values()
+                if t.req_id == req_id and t.kind == "store" and left & {b for b, _k, _s in t.copies}}
+
+    def _store(self, req: RequestView, computed: int, full: int) -> Transfer | None:
         """Offer offload blocks [cursor, full) to the tier, as far as their keys exist; a transfer for those it
-        accepts."""
-        keys = offload_keys(req.block_hashes, self.config.k)
+        accepts. In a hybrid model, not the blocks of a sliding window that the engine may have freed: those
+        before the window of the ``computed`` tokens (the engine does not say which it freed)."""
+        k, tables = self.config.k, self.block_tables[req.req_id]
+        keys = offload_keys(req.block_hashes, k)
         full = min(full, len(keys))
         start, self.cursors[req.req_id] = self.cursors[req.req_id], max(full, self.cursors[req.req_id])
-        accepted = self.tier.prepare_store(keys[start:full], refuse=req.req_id in self.refusing)
+        gone = [group.skipped_blocks(computed, self.config.block_size) for group in self.config.groups]
+        offered = [(j, g) for j in range(start, full) for g, table in enumerate(tables)
+                   if j * k >= gone[g] and NULL_BLOCK not in table[j * k:j * k + k]]
+        accepted = self.tier.prepare_store([group_key(keys[j], g) for j, g in offered],
+                                           refuse=req.req_id in self.refusing)
         if accepted is None:  # refused for lack of room: skip this request only
             self.refusing.discard(req.req_id)
         if not accepted:  # ([]: all present already)
             return None
-        k, table = self.config.k, self.block_tables[req.req_id]
-        copies = [(table[j * k + s], keys[j], s) for j in range(start, full) if keys[j] in accepted for s in range(k)]
+        copies = [(tables[g][j * k + s], group_key(keys[j], g), s) for j, g in offered
+                  if group_key(keys[j], g) in accepted for s in range(k)]
         return self._new_transfer(req.req_id, "store", copies)
 
     def _new_transfer(self, req_id: str, kind: TransferKind, copies: list[Copy]) -> Transfer:
@@ -155,7 +195,7 @@ class SpecConnector:
             else:
                 self.tier.complete_load(transfer.keys, success)
 
-    def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
+    def request_finished(self, request: RequestView, block_ids: BlockIds) -> bool:
         self._known(request.req_id)
         for state in (self.requests, self.block_tables, self.cursors):
             state.pop(request.req_id, None)
@@ -194,6 +234,7 @@ class SpecConnector:
         self.executor.flush({t.job_id for t in self.submitted.values() if t.req_id in req_ids and t.kind == "store"})
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
+        self.executor.flush(set(metadata.flush))
         self.draining |= metadata.delayed
         for load in metadata.loads:
             self._submit(load, partial(self._copy_in, load))
@@ -232,7 +273,8 @@ class SpecConnector:
     # ---- for the kit ---------------------------------------------------------------------------------------
     def observe(self) -> Observation:
         return Observation(
-            tracked={r: tuple(t) for r, t in self.block_tables.items()},
+            tracked={r: tuple(map(tuple, t)) if len(self.config.groups) > 1 else tuple(t[0])
+                     for r, t in self.block_tables.items()},
             cursors=dict(self.cursors),
             tier=self.tier.view(),
             jobs=tuple(sorted((t.req_id, t.kind, t.copies) for t in self.unfinished.values())),

@@ -20,8 +20,6 @@ from typing import Callable, Sequence
 
 from attrs import frozen
 
-from .config import ConfigError
-
 
 @frozen
 class Group:
@@ -31,6 +29,7 @@ class Group:
 
     def __attrs_post_init__(self) -> None:
         if self.window is not None and self.window < 2:
+            from .config import ConfigError  # config.py imports this module
             raise ConfigError(f"a sliding window spans at least 2 tokens, got {self.window!r}")
 
     def skipped_blocks(self, num_tokens: int, block_size: int) -> int:

@@ -14,9 +14,9 @@ reported, not failed, as long as the free comes.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, cast
 
-from .types import Key, Observation, WorkerOutput, key_index
+from .types import NULL_BLOCK, Key, Observation, WorkerOutput, group_key, key_index
 
 if TYPE_CHECKING:
     from .kit.coverage import Coverage
@@ -97,16 +97,27 @@ def track(world: World, obs: Observation) -> None:
     for req in world.requests.values():
         if req.looked_up and req.blocks:
             got = obs.tracked.get(req.req_id, ())
-            _require(tuple(got) == tuple(req.blocks), "TRACK",
-                     f"step {world.step_no}, request {req.req_id}: scheduler table {req.blocks}, connector {list(got)}")
+            _require(_same_tables(world.table_of(req), got, world.grouped), "TRACK",
+                     f"step {world.step_no}, request {req.req_id}: scheduler table {world.table_of(req)}, "
+                     f"connector {got}")
     for req_id, table in obs.tracked.items():
         owner = world.requests.get(req_id) or world.delayed.get(req_id)
         if owner is not None and owner.state.value == "waiting" and not owner.blocks:
             continue  # vLLM freed its blocks after a failed load without telling; the next alloc replaces the table
-        if table:
-            _require(owner is not None and tuple(table) == tuple(owner.blocks), "TRACK",
-                     f"step {world.step_no}: connector tracks {list(table)} for {req_id}, which holds "
-                     f"{owner.blocks if owner is not None else 'no blocks'}")
+        if any(len(t) for t in cast("tuple[tuple[int, ...], ...]", table)) if world.grouped else table:
+            _require(owner is not None and _same_tables(world.table_of(owner), table, world.grouped), "TRACK",
+                     f"step {world.step_no}: connector tracks {table} for {req_id}, which holds "
+                     f"{world.table_of(owner) if owner is not None else 'no blocks'}")
+
+
+def _same_tables(engine: tuple[Any, ...], tracked: tuple[Any, ...], grouped: bool) -> bool:
+    """A tracked table equals the engine's, except where a sliding window freed a block: vLLM does not tell the
+    connector when (its own copy keeps the old id there, and it must not read it: SRC)."""
+    if not grouped:
+        return engine == tracked
+    return len(engine) == len(tracked) and all(
+        len(mine) == len(theirs) and all(e in (NULL_BLOCK, t) for e, t in zip(mine, theirs))
+        for mine, theirs in zip(engine, tracked))
 
 
 def src(world: World) -> None:
@@ -118,6 +129,8 @@ def src(world: World) -> None:
     for job in (j for j in world.in_flight() if j.kind == "store" and not j.executed):
         owner = world.requests.get(job.req_id) or world.delayed.get(job.req_id)
         for block, _key, _sub in job.copies:
+            if block in world.window_freed:  # fenced: checked when it is written again
+                continue
             _require(owner is not None and block in owner.blocks and world.pool.refs[block] > 0, "SRC",
                      f"step {world.step_no}: store job {job.job_id} of {job.req_id} still reads block {block}, "
                      f"which the request no longer holds")
@@ -132,13 +145,15 @@ def store_bytes(world: World, job: Job, kv: GpuKV) -> None:
     """
     from .world import kv_content
     req, k = world.history[job.req_id], world.config.k
+    keys = {group_key(h, g): (i, g) for g in range(len(world.groups)) for i, h in enumerate(req.block_hashes)}
     for block, key, sub in job.copies:
-        _require(key in req.block_hashes, "SRC", f"step {world.step_no}: store job {job.job_id} of {job.req_id} "
-                                                 f"stores key {key:#x}, which is not a block of that request's prefix")
-        position = req.block_hashes.index(key) - key_index(0, k) + sub  # the key is its offload block's last hash
-        _require(kv.holds(block, kv_content(req.block_hashes[position], job.epoch)), "SRC",
+        _require(key in keys, "SRC", f"step {world.step_no}: store job {job.job_id} of {job.req_id} stores key "
+                                     f"{key:#x}, which is not a block of that request's prefix in any group")
+        last, group = keys[key]
+        position = last - key_index(0, k) + sub  # the key is its offload block's last hash
+        _require(kv.holds(block, kv_content(group_key(req.block_hashes[position], group), job.epoch)), "SRC",
                  f"step {world.step_no}: store job {job.job_id} of {job.req_id} reads GPU block {block} for "
-                 f"position {position}, but the block holds other bytes")
+                 f"position {position}" + (f" of group {group}" if group else "") + ", but the block holds other bytes")
 
 
 def not_in_flight(world: World, block: int, action: str, kinds: tuple[str, ...] = ("store", "load")) -> None:
@@ -164,11 +179,14 @@ def content(world: World) -> None:
 
     for req in world.requests.values():
         for i in range(req.num_final_tokens // world.config.block_size):
-            block = req.blocks[i]
-            for worker, kv in enumerate(world.kvs):
-                _require(kv.holds(block, kv_content(req.content_hashes[i], world.epoch)), "CONTENT",
-                         f"step {world.step_no}, request {req.req_id}: block {block} (position {i}) does not hold "
-                         f"its prefix's KV" + (f" on worker {worker}" if worker else ""))
+            for g, table in enumerate(req.tables):
+                if table[i] == NULL_BLOCK:  # a sliding window's block that no position reads any more
+                    continue
+                for worker, kv in enumerate(world.kvs):
+                    _require(kv.holds(table[i], kv_content(group_key(req.content_hashes[i], g), world.epoch)),
+                             "CONTENT", f"step {world.step_no}, request {req.req_id}: block {table[i]} (position {i}"
+                                        + (f" of group {g}" if g else "") + ") does not hold its prefix's KV"
+                                        + (f" on worker {worker}" if worker else ""))
 
 
 def ref(world: World, obs: Observation) -> None:

@@ -10,9 +10,11 @@ from typing import Any, Callable, Literal, NamedTuple, Protocol, runtime_checkab
 
 from attrs import define, field, frozen
 
-Key = int  # a tier key: the chained hash of the last GPU block of an offload block (``key_index``)
+Key = int  # a tier key: the chained hash of the last GPU block of an offload block (``key_index``), in its group
+HASH_BITS = (1 << 62) - 1
 Copy = tuple[int, Key, int]  # (GPU block id, tier key, index of that GPU block inside the offload block)
 TransferKind = Literal["store", "load"]  # the direction of a transfer: GPU -> tier, or tier -> GPU
+BlockIds = list[int] | tuple[list[int], ...]  # a block table, or one per KV cache group (GROUPS, hybrid models)
 
 
 def key_index(j: int, k: int) -> int:
@@ -21,6 +23,12 @@ def key_index(j: int, k: int) -> int:
     hashes chain, so that one hash names the whole prefix up to the end of the block; an offload block whose last
     GPU block has no hash yet (see ``RequestView``) has no key, and cannot be stored or loaded."""
     return j * k + k - 1
+
+
+def group_key(block_hash: Key, group: int) -> Key:
+    """A block's key in KV cache group ``group`` (vLLM's offload key: hash and group). Group 0's is the hash itself,
+    so a model with one group keys its blocks by their hashes."""
+    return block_hash if group == 0 else hash((block_hash, group)) & HASH_BITS
 
 
 def offload_keys(block_hashes: list[Key], k: int, start: int = 0, stop: int | None = None) -> list[Key]:
@@ -67,7 +75,9 @@ class ScheduledRequest(NamedTuple):  # a tuple: engines build one per request pe
     """One request in one step's batch.
 
     kind "new" and "resumed" (after a preemption) carry the *whole* block table in ``block_ids``;
-    kind "running" carries only the blocks allocated this step, or None when there are none.
+    kind "running" carries only the blocks allocated this step, or None when there are none. In a hybrid model
+    (a connector that declares GROUPS) they come in ``group_block_ids`` instead, one tuple per KV cache group, and
+    ``block_ids`` is None.
     """
 
     req_id: str
@@ -75,6 +85,7 @@ class ScheduledRequest(NamedTuple):  # a tuple: engines build one per request pe
     block_ids: tuple[int, ...] | None
     num_computed_tokens: int  # before this step
     num_scheduled_tokens: int
+    group_block_ids: tuple[tuple[int, ...], ...] | None = None
 
 
 @frozen
@@ -93,6 +104,7 @@ class TransferPlan:
     loads: list[Any] = field(factory=list)
     stores: list[Any] = field(factory=list)
     delayed: frozenset[str] = frozenset()  # finished requests whose blocks stay until their transfers drain
+    flush: frozenset[int] = frozenset()  # stores to finish before the forward pass (a window freed their blocks)
 
 
 @frozen
@@ -135,7 +147,8 @@ class Job:
 class Observation:
     """A connector's observable state; our connectors must match the spec's exactly."""
 
-    tracked: dict[str, tuple[int, ...]]  # request -> its block table, as the connector tracks it (TRACK)
+    # request -> its block table (one per group, GROUPS in a hybrid model), as the connector tracks it (TRACK)
+    tracked: dict[str, tuple[int, ...] | tuple[tuple[int, ...], ...]]
     cursors: dict[str, int]  # request -> its store cursor: offload blocks already offered (stored, in flight, ...)
     tier: tuple[tuple[Key, bool, int], ...]  # (key, ready, ref count), in eviction order
     jobs: tuple[tuple[str, TransferKind, tuple[Copy, ...]], ...]  # unfinished transfers: (request, kind, copies)
@@ -192,7 +205,12 @@ FENCED_FREES = "fenced_frees"
 # reset_cache() -> bool: forget every stored entry (vLLM calls it after a weight update); stores in flight at the
 # reset never become loadable. Without it, the kit does not update weights (vLLM would serve stale KV).
 RESET = "reset"
-CAPABILITIES = (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET)
+# Hybrid models (vLLM's SupportsHMA): block ids come one list per KV cache group (``Config.groups``), in
+# ``update_state_after_alloc``, ``request_finished`` and ``ScheduledRequest.group_block_ids``, and a group's block
+# that a sliding window freed is ``NULL_BLOCK``. Without it the engine gives every layer full-attention blocks.
+GROUPS = "groups"
+NULL_BLOCK = -1  # in a block table: a block the sliding window freed, or never needed (vLLM's null block)
+CAPABILITIES = (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET, GROUPS)
 CAPABILITY_METHODS = {OBSERVE: "observe", REFUSE_STORE: "refuse_next_store", RESET: "reset_cache"}
 
 
@@ -207,6 +225,14 @@ class Refusable(Protocol):
 
 class Resettable(Protocol):
     def reset_cache(self) -> bool | None: ...
+
+
+class Grouped(Protocol):
+    """GROUPS in a hybrid model: these two take one block table per KV cache group."""
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: tuple[list[int], ...],
+                                 num_external_tokens: int) -> None: ...
+    def request_finished(self, request: RequestView, block_ids: tuple[list[int], ...]) -> bool: ...
 
 
 @runtime_checkable

@@ -27,10 +27,9 @@ from attrs import define, field
 
 from . import invariants
 from .config import BlockIdError, Config
-from .types import (CONNECTOR_METHODS, Connector, Event, GpuKV, Job, Observable, Observation, Resettable,
-                    ScheduledRequest, SchedulerOutput, WorkerOutput)
-
-HASH_BITS = (1 << 62) - 1
+from .groups import FULL_ATTENTION, Group, longest_hit
+from .types import (CONNECTOR_METHODS, HASH_BITS, NULL_BLOCK, Connector, Event, GpuKV, Grouped, Job, Observable,
+                    Observation, Resettable, ScheduledRequest, SchedulerOutput, WorkerOutput, group_key)
 PARTIAL = -1  # content of a block whose tokens are only partly computed
 GARBAGE = -2  # content of a block nothing has written yet
 
@@ -104,14 +103,6 @@ class BlockPool:
     def _all_free(self) -> dict[int, None]:
         return dict.fromkeys(range(self.num_blocks))
 
-    def prefix_hit(self, hashes: list[int]) -> list[int]:
-        hit = []
-        for h in hashes:
-            if h not in self.by_hash:
-                break
-            hit.append(self.by_hash[h])
-        return hit
-
     def take(self, blocks: list[int]) -> None:
         for b in blocks:
             self.free.pop(b, None)
@@ -167,7 +158,7 @@ class Request:
     num_placeholders: int = 0  # tokens sampled (or about to be) that the scheduler has not seen (vLLM's name)
     rollback: int = 0  # rejected drafts the scheduler has not rolled back yet (async scheduling)
     num_final_tokens: int = 0  # leading positions whose KV the true tokens wrote, for good
-    blocks: list[int] = field(factory=list)  # the block table
+    tables: list[list[int]] = field(factory=lambda: [[]])  # a block table per KV cache group (NULL_BLOCK: freed)
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     load_target: int = 0  # tokens computed once the pending load lands
     looked_up: bool = False  # the connector has seen this request
@@ -181,6 +172,11 @@ class Request:
         self.num_tokens = len(self.tokens)
         extend_block_hashes(self.tokens, self.block_size, self.content_hashes)
         self.block_hashes = list(self.content_hashes)
+
+    @property
+    def blocks(self) -> list[int]:
+        """Every block the request holds, in all groups."""
+        return [b for table in self.tables for b in table if b != NULL_BLOCK]
 
     def loading(self) -> bool:
         """Admitted with a tier hit, its load not landed yet. A method: calls change ``state`` behind a type
@@ -309,6 +305,7 @@ class World:
     pool: BlockPool = field()
     observable: bool = False  # the connector has observe(): check TRACK, REF, CURSOR too
     fenced: bool = False  # the connector frees under in-flight stores and flushes before reuse (types.FENCED_FREES)
+    grouped: bool = False  # the connector takes one block table per KV cache group (types.GROUPS)
     workers: list[Connector] = field(factory=list)  # every worker side, worker 0 first
     kvs: list[GpuKV] = field(factory=list)
     executors: list[Executor] = field(factory=list)
@@ -329,6 +326,7 @@ class World:
     failed_jobs: set[int] = field(factory=set)  # jobs some worker reported as failed
     remaining: dict[str, Counter[str]] = field(factory=lambda: {"sending": Counter(), "recving": Counter()})
     bad_blocks: set[int] = field(factory=set)  # reported invalid, their request's load not yet finished
+    window_freed: set[int] = field(factory=set)  # freed by a sliding window, not written since: stores are fenced
     undelivered: StepOutput | None = None  # async scheduling: the last step's output
     epoch: int = 0  # weight updates so far
     step_no: int = 0
@@ -341,6 +339,29 @@ class World:
     @pool.default
     def _pool(self) -> BlockPool:
         return BlockPool(self.config.num_gpu_blocks)
+
+    @property
+    def groups(self) -> tuple[Group, ...]:
+        """The KV cache groups the engine runs: the model's, or one full-attention group for a connector that
+        does not take several (vLLM turns its hybrid manager off for it)."""
+        return self.config.groups if self.grouped else FULL_ATTENTION
+
+    def table_of(self, req: Request) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:
+        """A request's block tables as a connector's ``observe()`` reports them (``Observation.tracked``)."""
+        return tuple(tuple(t) for t in req.tables) if self.grouped else tuple(req.tables[0])
+
+    def _allocated(self, req: Request, num_external: int) -> None:
+        """``update_state_after_alloc``, with one table per group for a connector that takes them (GROUPS)."""
+        if self.grouped:
+            cast(Grouped, self.connector).update_state_after_alloc(req, tuple(map(list, req.tables)), num_external)
+        else:
+            self.connector.update_state_after_alloc(req, list(req.tables[0]), num_external)
+
+    def _finished(self, req: Request) -> bool:
+        """``request_finished``, with one table per group for a connector that takes them (GROUPS)."""
+        if self.grouped:
+            return cast(Grouped, self.connector).request_finished(req, tuple(map(list, req.tables)))
+        return self.connector.request_finished(req, list(req.tables[0]))
 
     def __attrs_post_init__(self) -> None:
         self._join(self.connector, self.kv, self.executor)
@@ -363,7 +384,8 @@ class World:
 
     # ---- the engine's inputs -------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], max_tokens: int) -> Request:
-        req = Request(f"r{self.next_id}", tuple(prompt), max_tokens, self.config.block_size)
+        req = Request(f"r{self.next_id}", tuple(prompt), max_tokens, self.config.block_size,
+                      tables=[[] for _ in self.groups])
         self.next_id += 1
         self.requests[req.req_id] = self.history[req.req_id] = req
         self.waiting.append(req)
@@ -443,6 +465,7 @@ class World:
                 continue
             n = min(req.num_tokens + req.num_placeholders - req.num_computed_tokens, budget)
             n += self._drafts(req, n, budget)
+            self._free_outside_windows(req)
             new_blocks = self._grow(req, req.num_computed_tokens + n)
             while new_blocks is None:  # short of blocks: preempt the lowest-priority running request
                 victim = self.running.pop()
@@ -453,7 +476,7 @@ class World:
                 new_blocks = self._grow(req, req.num_computed_tokens + n)
             if new_blocks is None:
                 break
-            scheduled.append(self._scheduled(req, "running", tuple(new_blocks) or None, n))
+            scheduled.append(self._scheduled(req, "running", new_blocks, n))
             budget -= n
             i += 1
         if not preempted_now:
@@ -471,9 +494,12 @@ class World:
         self.stats["drafts"] += drafts
         return drafts
 
-    def _scheduled(self, req: Request, kind: str, block_ids: tuple[int, ...] | None, n: int) -> ScheduledRequest:
-        """vLLM advances computed tokens when it schedules them; a request that will sample gets placeholders."""
-        s = ScheduledRequest(req.req_id, kind, block_ids, req.num_computed_tokens, n)  # type: ignore[arg-type]
+    def _scheduled(self, req: Request, kind: str, tables: list[list[int]] | None, n: int) -> ScheduledRequest:
+        """vLLM advances computed tokens when it schedules them; a request that will sample gets placeholders.
+        ``tables``: the whole tables (new, resumed) or this step's new blocks (running; None: none)."""
+        ids = None if kind == "running" and not (tables and any(tables)) else tuple(tuple(t) for t in tables or ())
+        s = ScheduledRequest(req.req_id, kind, None if self.grouped or ids is None else ids[0],  # type: ignore[arg-type]
+                             req.num_computed_tokens, n, ids if self.grouped else None)
         known = req.num_tokens + req.num_placeholders
         if req.num_computed_tokens < known <= req.num_computed_tokens + n:
             req.num_placeholders += req.num_computed_tokens + n - known + 1  # the drafts and the sampled token
@@ -500,44 +526,76 @@ class World:
             self.waiting.remove(req)
             self.running.append(req)
             req.state = State.RUNNING
-            scheduled.append(self._scheduled(req, "resumed" if req.resumed else "new", tuple(req.blocks), n))
+            scheduled.append(self._scheduled(req, "resumed" if req.resumed else "new", req.tables, n))
             req.resumed = False
             budget -= n
 
-    def _lookup(self, req: Request) -> tuple[list[int], int] | None:
-        """The GPU prefix hit, then the connector's hit in tokens (None: the connector asks to be asked later)."""
-        bs = self.config.block_size
-        hit = self.pool.prefix_hit(req.block_hashes[:(req.num_tokens - 1) // bs]) if self.config.prefix_caching else []
-        num_external, is_async = self.connector.get_num_new_matched_tokens(req, len(hit) * bs)
+    def _lookup(self, req: Request) -> tuple[list[list[int]], int] | None:
+        """The GPU prefix hit (per group, the blocks a hit needs and NULL_BLOCK before them), then the connector's
+        hit in tokens (None: the connector asks to be asked later)."""
+        bs, groups = self.config.block_size, self.groups
+        hashes = req.block_hashes[:(req.num_tokens - 1) // bs]  # the last token is always computed
+        end = longest_hit(groups, bs, len(hashes), lambda g, b: group_key(hashes[b], g) in self.pool.by_hash) \
+            if self.config.prefix_caching else 0
+        hit = [[self.pool.by_hash[group_key(hashes[b], g)] if b in group.needed_for_hit(end, bs) else NULL_BLOCK
+                for b in range(end)] for g, group in enumerate(groups)]
+        num_external, is_async = self.connector.get_num_new_matched_tokens(req, end * bs)
         req.looked_up = True
-        invariants.lookup(req, len(hit) * bs, num_external, is_async)
+        invariants.lookup(req, end * bs, num_external, is_async)
         return None if num_external is None else (hit, num_external)
 
-    def _allocate_with_hits(self, req: Request, budget: int, hit: list[int], num_external: int) -> bool:
-        """Admission: take the hits, allocate the rest of the first step, tell the connector. False: no room."""
-        num_local = len(hit) * self.config.block_size
+    def _allocate_with_hits(self, req: Request, budget: int, hit: list[list[int]], num_external: int) -> bool:
+        """Admission: take the hits, allocate the rest of the first step, tell the connector. False: no room. A
+        load fills only the blocks the hit needs: a sliding window's older ones stay NULL_BLOCK, as in vLLM."""
+        bs = self.config.block_size
+        num_local = len(hit[0]) * bs
         first_step = num_external if num_external else min(req.num_tokens - num_local, budget)
-        self.pool.take(hit)
-        req.blocks = list(hit)
+        held = [b for table in hit for b in table if b != NULL_BLOCK]
+        self.pool.take(held)
+        req.tables = [list(table) for table in hit]
+        for table, group in zip(req.tables, self.groups):
+            start = group.needed_for_hit((num_local + num_external) // bs, bs).start if num_external else 0
+            table += [NULL_BLOCK] * (start - len(table))
         if self._grow(req, num_local + first_step) is None:
-            self.pool.release(hit)
-            req.blocks = []
+            self.pool.release(held)
+            req.tables = [[] for _ in self.groups]
             return False
         req.num_computed_tokens = req.num_final_tokens = num_local
-        req.num_cached_blocks = len(hit)
-        self.stats["engine_hit_blocks"] += len(hit)
-        self.connector.update_state_after_alloc(req, list(req.blocks), num_external)
+        req.num_cached_blocks = len(hit[0])
+        self.stats["engine_hit_blocks"] += len(held)
+        self._allocated(req, num_external)
         if num_external:
             req.state, req.load_target = State.WAITING_FOR_LOAD, num_local + num_external
             self.stats["tier_hit_tokens"] += num_external
         return True
 
-    def _grow(self, req: Request, num_tokens: int) -> list[int] | None:
-        need = -(-num_tokens // self.config.block_size) - len(req.blocks)
-        new = self.pool.allocate(max(need, 0))
-        if new is not None:
-            req.blocks += new
-        return new
+    def _grow(self, req: Request, num_tokens: int) -> list[list[int]] | None:
+        """Blocks for ``num_tokens`` in every group, all or none; the new ones per group."""
+        want = -(-num_tokens // self.config.block_size)
+        needs = [max(want - len(table), 0) for table in req.tables]
+        new = self.pool.allocate(sum(needs))
+        if new is None:
+            return None
+        added = []
+        for table, n in zip(req.tables, needs):
+            added.append(new[:n])
+            table += new[:n]
+            new = new[n:]
+        return added
+
+    def _free_outside_windows(self, req: Request) -> None:
+        """A sliding window's blocks that no position still to compute reads go back to the pool, NULL_BLOCK in
+        their place (vLLM's ``remove_skipped_blocks``). Nothing tells the connector: a store still reading one
+        must be done before the block is written again (the connector can tell from the window and the computed
+        tokens which blocks these may be, and flushes its stores of them)."""
+        bs = self.config.block_size
+        for table, group in zip(req.tables, self.groups):
+            for i in range(min(group.skipped_blocks(req.num_final_tokens, bs), len(table))):
+                if table[i] != NULL_BLOCK:
+                    invariants.not_in_flight(self, table[i], "freed by the sliding window", ("load",))
+                    self.pool.release([table[i]])
+                    self.window_freed.add(table[i])
+                    table[i] = NULL_BLOCK
 
     def _preempt(self, req: Request, drop_in_flight: bool = False) -> None:
         """Free a running request's blocks and queue it again. Its in-flight tokens (async scheduling) are
@@ -553,7 +611,8 @@ class World:
             self._finish(req, State.FINISHED)
             return
         self.pool.release(req.blocks)  # in-flight stores are flushed by the workers before the forward pass
-        req.blocks, req.num_computed_tokens, req.num_cached_blocks, req.num_final_tokens = [], 0, 0, 0
+        req.tables = [[] for _ in self.groups]
+        req.num_computed_tokens, req.num_cached_blocks, req.num_final_tokens = 0, 0, 0
         req.num_placeholders = req.rollback = 0
         req.state, req.resumed = State.PREEMPTED, True
         self.waiting.appendleft(req)
@@ -592,11 +651,12 @@ class World:
         hashes = req.content_hashes[:len(req.tokens) // bs]
         extend_block_hashes(inputs, bs, hashes)  # blocks holding drafts get the hash of what was really input
         for i in range(start // bs, -(-end // bs)):
-            block = req.blocks[i]
-            invariants.not_in_flight(self, block, "written by the forward pass")
-            content = kv_content(hashes[i], self.epoch) if end >= (i + 1) * bs else PARTIAL
-            for kv in self.kvs:
-                kv.write(block, content)
+            for g, table in enumerate(req.tables):
+                invariants.not_in_flight(self, table[i], "written by the forward pass")
+                self.window_freed.discard(table[i])
+                content = kv_content(group_key(hashes[i], g), self.epoch) if end >= (i + 1) * bs else PARTIAL
+                for kv in self.kvs:
+                    kv.write(table[i], content)
 
     def _worker_output(self, out: SchedulerOutput) -> tuple[WorkerOutput, set[int]]:
         """Every worker's completions, checked, then merged as vLLM's ``KVOutputAggregator`` merges them: a
@@ -675,16 +735,18 @@ class World:
             self._release(self.delayed.pop(req_id).blocks)
 
     def _load_landed(self, req: Request) -> None:
-        bs = self.config.block_size
-        bad = [i for i, b in enumerate(req.blocks) if b in self.bad_blocks]
+        """The request resumes from the longest prefix every group can still supply: up to the first block a
+        failed load left invalid, or (a sliding window) short of the blocks it needs."""
+        bs, bad = self.config.block_size, self.bad_blocks & set(req.blocks)
         self.bad_blocks -= set(req.blocks)
-        done = min([req.load_target] + [i * bs for i in bad])
+        done = bs * longest_hit(self.groups, bs, req.load_target // bs,
+                                lambda g, i: req.tables[g][i] not in bad and req.tables[g][i] != NULL_BLOCK)
         self.stats["blocks_loaded"] += (done - req.num_computed_tokens) // bs
         req.num_computed_tokens = req.num_final_tokens = done
         req.state = State.WAITING
         if done == 0:  # nothing valid: vLLM frees the blocks without telling the connector, and allocates anew
             self.pool.release(req.blocks)
-            req.blocks, req.num_cached_blocks = [], 0
+            req.tables, req.num_cached_blocks = [[] for _ in self.groups], 0
             return
         self._cache_full_blocks(req)
         req.num_computed_tokens = min(done, req.num_tokens - 1)  # a whole-prompt hit recomputes the last token
@@ -702,8 +764,10 @@ class World:
     def _cache_full_blocks(self, req: Request) -> None:
         full = min(req.num_final_tokens // self.config.block_size, len(req.block_hashes))
         for i in range(req.num_cached_blocks, full):
-            invariants.not_in_flight(self, req.blocks[i], "entered the prefix cache", ("load",))
-            self.pool.cache(req.blocks[i], req.block_hashes[i])
+            for g, table in enumerate(req.tables):
+                if table[i] != NULL_BLOCK:
+                    invariants.not_in_flight(self, table[i], "entered the prefix cache", ("load",))
+                    self.pool.cache(table[i], group_key(req.block_hashes[i], g))
         req.num_cached_blocks = max(req.num_cached_blocks, full)
 
     def _finish(self, req: Request, state: State) -> None:
@@ -715,7 +779,7 @@ class World:
         delay = False
         if req.looked_up:
             stores = [job for job in self.jobs_of(req.req_id) if job.kind == "store"]
-            delay = self.connector.request_finished(req, list(req.blocks))
+            delay = self._finished(req)
             if not self.fenced:
                 invariants.finish(req, delay, stores)
             if delay:
@@ -777,8 +841,8 @@ class World:
         """The live requests fit the GPU pool together. (When they do not, the engine itself can deadlock: waiting
         requests that hold loaded blocks are never preempted, in vLLM as here. Liveness is the connector's only
         where the engine cannot stall on its own.)"""
-        need = sum(-(-(len(r.prompt) + r.max_tokens + self.config.num_spec_tokens) // self.config.block_size)
-                   for r in self.requests.values())
+        need = len(self.groups) * sum(-(-(len(r.prompt) + r.max_tokens + self.config.num_spec_tokens)
+                                          // self.config.block_size) for r in self.requests.values())
         return need + sum(len(r.blocks) for r in self.delayed.values()) <= self.config.num_gpu_blocks
 
     def drain(self, max_steps: int = 12) -> None:
@@ -800,7 +864,7 @@ class World:
 
     def snapshot(self) -> tuple[tuple[object, ...], ...]:
         """What two worlds driven by equivalent connectors agree on, step for step."""
-        reqs = tuple((r.req_id, r.state.value, r.num_computed_tokens, tuple(r.blocks), r.num_tokens)
+        reqs = tuple((r.req_id, r.state.value, r.num_computed_tokens, self.table_of(r), r.num_tokens)
                      for r in self.requests.values())
         jobs = tuple((j.req_id, j.kind, j.copies, j.executed, j.success, j.reported) for j in self.in_flight())
         return reqs, tuple(sorted(self.delayed)), jobs, tuple(self.events)

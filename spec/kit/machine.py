@@ -10,14 +10,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Literal, TypeVar, cast
 
-from attrs import fields
+from attrs import evolve, fields
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ..config import Config
 from ..connector import SpecConnector
+from ..groups import FULL_ATTENTION
 from ..invariants import ConnectorError, Violation
-from ..types import FENCED_FREES, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Refusable
+from ..types import FENCED_FREES, GROUPS, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Refusable
 from ..world import Executor, ListKV, World
 from .coverage import Coverage
 from .scenario import DEFAULT_SCENARIO, NEEDS, Need, Scenario, capabilities_of, declare, skipped_by
@@ -35,6 +36,8 @@ DELAYED_FREES = declare("FINISH, SRC ownership", unless=FENCED_FREES, note="its 
 WEIGHT_UPDATES = declare("reset_prefix_cache(reset_connector=True)", RESET,
                          note="vLLM would serve stale KV after a weight update")
 BROKEN_LOADS = declare("broken_loads", TRANSFER_FAILURES, mode="broken_loads")
+HYBRID = declare("the model's KV cache groups", GROUPS, mode="hybrid",
+                 note="vLLM turns its hybrid manager off: every layer gets full-attention blocks")
 GUARDED: set[str] = set()  # rules behind a precondition
 
 
@@ -73,17 +76,25 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.declared = capabilities_of(self.subject.connector)
         self.coverage.skipped, self.coverage.off = skipped_by(self.declared, self.scenario)
         self.coverage.examples += 1
-        if self.level == "exact":
-            self.worlds.append(self._world(SpecConnector, ListKV))
+        if self.level == "exact":  # the spec's twin runs the engine the subject gets (hybrid manager on or off)
+            self.worlds.append(self._world(SpecConnector, ListKV, grouped=self.subject.grouped))
 
-    def _world(self, factory: Callable[[Config], Any], kv_factory: Callable[[int], Any]) -> World:
-        """One engine: the adapter's scheduler side and worker 0, then the other workers, each with its shard."""
+    def _world(self, factory: Callable[[Config], Any], kv_factory: Callable[[int], Any],
+               grouped: bool | None = None) -> World:
+        """One engine: the adapter's scheduler side and worker 0, then the other workers, each with its shard. A
+        hybrid model without GROUPS (or ``grouped`` False) runs as vLLM runs it then: one full-attention group, and
+        the connector is configured with that."""
         config = self.scenario.config
         connector = factory(config)
         declared = capabilities_of(connector)
+        grouped = HYBRID.met(declared, self.scenario) if grouped is None else grouped
+        if self.scenario.hybrid and not grouped:
+            config = evolve(config, groups=FULL_ATTENTION)
+            connector = factory(config)
         world = World(config, connector, kv_factory(config.num_gpu_blocks), Executor(self.scenario.delay),
                       observable=OBSERVED.met(declared, self.scenario),
-                      fenced=not DELAYED_FREES.met(declared, self.scenario))  # frees at once, stores fenced
+                      fenced=not DELAYED_FREES.met(declared, self.scenario),  # frees at once, stores fenced
+                      grouped=grouped)
         for _ in range(config.num_workers - 1):
             world.add_worker(factory(config), kv_factory(config.num_gpu_blocks))
         world.executors[-1].fail_loads = BROKEN_LOADS.met(declared, self.scenario)

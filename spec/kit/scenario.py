@@ -26,12 +26,18 @@ class Scenario:
     max_live: int = 6  # live requests at most
     broken_loads: bool = False  # a persistent fault: every load fails on the last worker (requests must finish)
 
+    @property
+    def hybrid(self) -> bool:
+        """The model has several KV cache groups (sliding-window and full-attention layers)."""
+        return len(self.config.groups) > 1
+
     def __str__(self) -> str:
         c = self.config
         cache = "" if c.prefix_caching else " no-prefix-cache"
         timing = f"delay={self.delay}" if self.delay else "immediate"
         modes = "".join((" async" if c.async_scheduling else "", f" spec={c.num_spec_tokens}" * bool(c.num_spec_tokens),
-                         f" workers={c.num_workers}" * (c.num_workers > 1), " broken-loads" * self.broken_loads))
+                         f" workers={c.num_workers}" * (c.num_workers > 1), " broken-loads" * self.broken_loads,
+                         f" groups={','.join(str(g.window or 'full') for g in c.groups)}" * self.hybrid))
         return (f"k={c.k} gpu={c.num_gpu_blocks}{cache} tier={c.tier_blocks} {c.policy} budget={c.token_budget} "
                 f"{timing}{' failures' if self.failures else ''}{modes}")
 

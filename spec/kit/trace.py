@@ -19,6 +19,7 @@ from typing import Any, Callable
 from attrs import asdict
 
 from ..config import Config
+from ..groups import FULL_ATTENTION, Group
 from ..invariants import SPEC_VERSION, Violation
 from .machine import ConformanceMachine, make_machine
 from .scenario import Scenario
@@ -98,8 +99,9 @@ def read_trace(path: str | Path) -> tuple[dict[str, Any], list[tuple[str, dict[s
 
 
 def scenario_from(header: dict[str, Any]) -> Scenario:
-    fields = header["scenario"]
-    return Scenario(**{**fields, "config": Config(**fields["config"])})
+    fields, config = header["scenario"], header["scenario"]["config"]
+    groups = tuple(Group(**group) for group in config.get("groups", ())) or FULL_ATTENTION  # older traces: none
+    return Scenario(**{**fields, "config": Config(**{**config, "groups": groups})})
 
 
 def replay(path: str | Path, adapter: Callable[[Config], Any] | None = None,

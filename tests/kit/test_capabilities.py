@@ -4,7 +4,8 @@ import warnings
 
 import pytest
 
-from kvoffload.spec import OBSERVE, SpecConnector
+from kvoffload.spec import OBSERVE, Config, SpecConnector
+from kvoffload.spec.groups import Group
 from kvoffload.spec.kit import Scenario, SkippedRule, capabilities_of, make_machine, run_conformance
 from kvoffload.spec.kit.scenario import NEEDS, skipped_by
 
@@ -34,7 +35,7 @@ def test_a_full_adapter_exercises_every_rule():
 
 
 class NeverStores(SpecConnector):
-    def _store(self, req, full):
+    def _store(self, req, computed, full):
         return None  # no transfer is ever in flight, so there is nothing to advance
 
 
@@ -68,7 +69,7 @@ def test_what_the_scenario_turns_off_is_reported_without_a_warning():
 
 
 def test_skips_come_from_what_each_rule_and_check_declares():
-    everything = Scenario(delay=1, failures=True, broken_loads=True)
+    everything = Scenario(Config(groups=(Group(4), Group())), delay=1, failures=True, broken_loads=True)
     skipped, off = skipped_by(frozenset(), everything)
     assert set(skipped) == {name for name, need in NEEDS.items() if need.capability} and not off
     assert NEEDS["refuse_next_store"].capability == "refuse_store"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from kvoffload.impl import OffloadConnector, OffloadTier
 from kvoffload.reference import LRUTier, ReferenceConnector
+from kvoffload.spec import SpecConnector
+from kvoffload.spec.types import group_key, offload_keys
 
 
 class BreakOnRefusedStore(ReferenceConnector):
@@ -159,4 +161,65 @@ GPU_MODE_VARIANTS = {
     StoreLandsAfterReset: "k1-tp2-delayed-failures-no-prefix-cache",
     FailedEntryOfferedForever: "k1-broken-loads-no-prefix-cache",
     StoresBeforeTheForwardPass: "k2-spec3-immediate-no-prefix-cache",
+}
+
+
+# ---- hybrid models (several KV cache groups), in the spec connector ------------------------------------------
+class StoresAfterTheWindowFreed(SpecConnector):
+    """A deferred store of a sliding-window block: the window moved past it, the engine freed the block (without
+    telling) and reallocated it, and the store, not fenced, reads another request's bytes."""
+
+    def _stores_outside_windows(self, req_id, computed):
+        return set()  # the bug: no fence
+
+
+class LoadsNullBlocks(SpecConnector):
+    """A load that counts the positions a sliding window does not need (the null block in its table) as blocks to
+    fill: it names the null block."""
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
+        if num_external_tokens:  # the bug: every position of the hit, null or not
+            load = self.pending_loads[-1]
+            bs, k, tables = self.config.block_size, self.config.k, self.block_tables[request.req_id]
+            keys = offload_keys(request.block_hashes, k)
+            first, end = request.num_computed_tokens // bs, (request.num_computed_tokens + num_external_tokens) // bs
+            load.copies = tuple((table[i], group_key(keys[i // k], g), i % k) for g, table in enumerate(tables)
+                                for i in range(first, end))
+
+
+class HitsWithoutTheWindow(SpecConnector):
+    """A lookup that asks only the full-attention groups: it offers a prefix whose sliding-window blocks the tier
+    does not hold, so the request would resume without the KV its window reads."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.requests[request.req_id] = request
+        if any(t.req_id == request.req_id for t in self.unfinished.values()):
+            return 0, False
+        per = self.config.offload_block_size
+        full = [g for g, group in enumerate(self.config.groups) if not group.window]  # the bug: only these
+        start = num_computed_tokens // per
+        keys = offload_keys(request.block_hashes, self.config.k, 0, (request.num_tokens - 1) // per)
+        end = start
+        while end < len(keys) and all(self.tier.lookup([group_key(keys[end], g)]) for g in full):
+            end += 1
+        return (end * per - num_computed_tokens, True) if end > start else (0, False)
+
+
+class SwapsGroups(SpecConnector):
+    """A store that files each group's blocks under the other group's key (group ids swapped in one job)."""
+
+    def _new_transfer(self, req_id, kind, copies):
+        if kind == "store" and len(self.config.groups) == 2:
+            swap = {group_key(h, g): group_key(h, 1 - g) for h in self.requests[req_id].block_hashes for g in (0, 1)}
+            copies = [(b, swap.get(key, key), s) for b, key, s in copies]
+        return super()._new_transfer(req_id, kind, copies)
+
+
+# each hybrid variant, with the scenario (in scenarios.HYBRID_SCENARIOS) that triggers it
+HYBRID_VARIANTS = {
+    StoresAfterTheWindowFreed: "hybrid-k2-w5-full-delayed-failures",
+    LoadsNullBlocks: "hybrid-w4-full-immediate",
+    HitsWithoutTheWindow: "hybrid-w4-full-immediate",
+    SwapsGroups: "hybrid-w4-full-immediate",
 }

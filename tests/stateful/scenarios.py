@@ -1,6 +1,7 @@
 """The configurations the stateful suite runs, one test each so xdist spreads them."""
 
 from kvoffload.spec import Config
+from kvoffload.spec.groups import Group
 from kvoffload.spec.kit import Scenario
 
 SCENARIOS = {
@@ -38,4 +39,21 @@ ARC_SCENARIOS = {
         Config(num_gpu_blocks=16, offload_block_size=4, tier_blocks=5, policy="arc"), delay=2, failures=True),
     "arc-k1-delayed-tiny-tier": Scenario(
         Config(num_gpu_blocks=12, tier_blocks=2, policy="arc", prefix_caching=False), delay=1),
+}
+
+# Hybrid models: KV cache groups of full attention and sliding windows (windows in tokens; block_size 2). A
+# connector that declares GROUPS gets a block table per group; the others run with the hybrid manager off.
+HYBRID_SCENARIOS = {
+    "hybrid-w4-full-immediate": Scenario(Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(4), Group()))),
+    "hybrid-full-w6-w3-no-prefix-cache": Scenario(
+        Config(num_gpu_blocks=30, tier_blocks=8, groups=(Group(), Group(6), Group(3)), prefix_caching=False)),
+    "hybrid-k2-w5-full-delayed-failures": Scenario(
+        Config(num_gpu_blocks=24, offload_block_size=4, tier_blocks=6, groups=(Group(5), Group()),
+               prefix_caching=False), delay=2, failures=True),
+    "hybrid-w6-full-async-spec2": Scenario(
+        Config(num_gpu_blocks=28, tier_blocks=8, groups=(Group(6), Group()), async_scheduling=True,
+               num_spec_tokens=2), delay=1),
+    "hybrid-full-w4-tp2-delayed-failures": Scenario(
+        Config(num_gpu_blocks=24, tier_blocks=6, groups=(Group(), Group(4)), num_workers=2, prefix_caching=False),
+        delay=1, failures=True),
 }

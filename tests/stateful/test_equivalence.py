@@ -12,7 +12,7 @@ from kvoffload.reference import ReferenceConnector, TensorKV
 from kvoffload.spec import SpecConnector
 from kvoffload.spec.kit import run_conformance
 
-from .scenarios import ARC_SCENARIOS, GPU_MODE_SCENARIOS, SCENARIOS
+from .scenarios import ARC_SCENARIOS, GPU_MODE_SCENARIOS, HYBRID_SCENARIOS, SCENARIOS
 
 ALL = {**SCENARIOS, **GPU_MODE_SCENARIOS, **ARC_SCENARIOS}
 
@@ -37,3 +37,22 @@ def test_reference_equals_spec(name):
 @pytest.mark.parametrize("i, name", list(enumerate(ALL)))
 def test_impl_equals_spec(i, name):
     run_conformance(OffloadConnector, ALL[name], level="exact", kv_factory=LAYOUTS[i % len(LAYOUTS)])
+
+
+@pytest.mark.parametrize("name", HYBRID_SCENARIOS)
+def test_spec_keeps_its_invariants_in_hybrid_models(name):
+    """Every group's table, stores and loads, a sliding window's frees (fenced before reuse), hits every group can
+    supply, with the engine modes mixed in."""
+    coverage = run_conformance(SpecConnector, HYBRID_SCENARIOS[name], level="invariants")
+    assert "the model's KV cache groups" not in coverage.skipped
+    assert coverage.world["blocks_stored"] and coverage.world["blocks_loaded"]
+
+
+@pytest.mark.parametrize("connector", [ReferenceConnector, OffloadConnector], ids=["reference", "impl"])
+def test_a_connector_without_groups_runs_hybrid_models_with_the_hybrid_manager_off(connector):
+    """As vLLM does for a connector that is not SupportsHMA: every layer full attention, one group; the coverage
+    says so, and the connector still equals the spec, exactly."""
+    with pytest.warns(UserWarning, match="the model's KV cache groups"):
+        coverage = run_conformance(connector, HYBRID_SCENARIOS["hybrid-w4-full-immediate"], level="exact",
+                                   kv_factory=LAYOUTS[0] if connector is OffloadConnector else TensorKV)
+    assert "the model's KV cache groups" in coverage.skipped

@@ -10,6 +10,7 @@ from kvoffload.reference import Transfer as ReferenceTransfer
 from kvoffload.spec import (BlockIdError, Config, ConfigError, Executor, ListKV, Request, ScheduledRequest,
                             SchedulerOutput, SpecConnector, UnknownRequestError, World)
 from kvoffload.spec.connector import Transfer as SpecTransfer
+from kvoffload.spec.groups import Group
 from kvoffload.spec.types import TransferPlan
 
 CONNECTORS = [(SpecConnector, ListKV), (ReferenceConnector, TensorKV), (OffloadConnector, LayeredKV)]
@@ -21,10 +22,17 @@ CONNECTORS = [(SpecConnector, ListKV), (ReferenceConnector, TensorKV), (OffloadC
     (dict(num_gpu_blocks=-4), "num_gpu_blocks must be a positive integer"),
     (dict(token_budget=2.5), "token_budget must be a positive integer"),
     (dict(policy="mru"), "unknown eviction policy"),
+    (dict(groups=()), "groups must be one or more Group"),
+    (dict(groups=("sliding",)), "groups must be one or more Group"),
 ])
 def test_invalid_configuration(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         Config(**kwargs)
+
+
+def test_a_sliding_window_spans_two_tokens_at_least():
+    with pytest.raises(ConfigError, match="at least 2 tokens, got 1"):
+        Group(1)
 
 
 def output_with(sched: ScheduledRequest) -> SchedulerOutput:
