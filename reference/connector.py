@@ -14,9 +14,9 @@ import torch
 from attrs import define
 
 from kvoffload.spec.config import BlockIdError, Config, ConfigError, UnknownRequestError, registered
-from kvoffload.spec.types import (OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Copy, Event, Job, Observation,
-                                  RequestView, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput,
-                                  offload_keys)
+from kvoffload.spec.types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, BlockIds, Copy,
+                                  Event, Job, Observation, RequestView, SchedulerOutput, TransferKind, TransferPlan,
+                                  WorkerOutput, group_key, offload_keys)
 from kvoffload.spec.world import Executor
 
 from .tier import LRUTier
@@ -59,7 +59,7 @@ class TensorKV:
 
 
 class ReferenceConnector:
-    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET})
+    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET, GROUPS})
     tier_class = LRUTier
 
     def __init__(self, config: Config) -> None:
@@ -69,7 +69,8 @@ class ReferenceConnector:
         # scheduler side
         self.tier = self.tier_class(config.tier_blocks)
         self._requests: dict[str, RequestView] = {}
-        self._block_tables: dict[str, list[int]] = {}
+        self.groups = config.groups  # the KV cache groups: a table each, and a key each per block (group_key)
+        self._block_tables: dict[str, list[list[int]]] = {}
         self._cursors: dict[str, int] = {}  # the store cursor, in offload blocks
         self._unfinished: dict[int, Transfer] = {}  # built, not yet reported by every worker
         self._reports: defaultdict[int, list[bool]] = defaultdict(list)  # job id -> each worker's success so far
@@ -105,27 +106,42 @@ class ReferenceConnector:
         size = self.config.offload_block_size
         first = num_computed_tokens // size
         last = (request.num_tokens - 1) // size  # keep one token to compute
-        hits = self.tier.lookup(self._keys(request)[first:last])
-        if hits == 0:
+        keys = self._keys(request)[:last]
+        end = next((e for e in range(len(keys), first, -1) if self._serves_every_group(keys, first, e)), first)
+        if end == first:
             return 0, False
-        return (first + hits) * size - num_computed_tokens, True
+        return end * size - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
+    def _serves_every_group(self, keys: list[int], first: int, end: int) -> bool:
+        """Whether the tier holds what a hit up to offload block ``end`` needs from every group, beyond the first
+        blocks (on the GPU): all of them for full attention, the last ones a sliding window reads."""
+        size = self.config.offload_block_size
+        for g, group in enumerate(self.groups):
+            start = first if group.window is None else max(first, end - -(-(group.window - 1) // size))
+            if self.tier.lookup([group_key(key, g) for key in keys[start:end]]) < end - start:
+                return False
+        return True
+
+    def _tables(self, block_ids: BlockIds | tuple[tuple[int, ...], ...] | tuple[int, ...]) -> list[list[int]]:
+        """One table per group: a hybrid model's ids come a list per group."""
+        if len(self.groups) > 1:
+            return [list(table) for table in block_ids]  # type: ignore[arg-type]
+        return [list(block_ids)]  # type: ignore[arg-type]
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds, num_external_tokens: int) -> None:
         req_id = self._request(request.req_id).req_id
-        self._block_tables[req_id] = list(block_ids)
+        tables = self._block_tables[req_id] = self._tables(block_ids)
         self._cursors[req_id] = 0
         if num_external_tokens == 0:
             return
-        bs, k = self.config.block_size, self.config.k
+        bs, k, keys = self.config.block_size, self.config.k, self._keys(request)
         first_block = request.num_computed_tokens // bs
         end_block = (request.num_computed_tokens + num_external_tokens) // bs
-        keys = self._keys(request)[first_block // k:end_block // k + (end_block % k > 0)]
-        slots = dict(zip(keys, self.tier.prepare_load(keys)))
-        copies, rows = [], []
-        for i in range(first_block, end_block):
-            key = self._keys(request)[i // k]
-            copies.append((block_ids[i], key, i % k))
-            rows.append(slots[key] * k + i % k)
+        copies = [(table[i], group_key(keys[i // k], g), i % k) for g, table in enumerate(tables)
+                  for i in range(first_block, end_block) if table[i] != NULL_BLOCK]  # a window's older blocks: no
+        load_keys = list(dict.fromkeys(key for _block, key, _sub in copies))
+        slots = dict(zip(load_keys, self.tier.prepare_load(load_keys)))
+        rows = [slots[key] * k + sub for _block, key, sub in copies]
         self._pending_loads.append(self._new_transfer(req_id, "load", copies, rows))
 
     def _new_transfer(self, req_id: str, kind: TransferKind, copies: list[Copy], rows: list[int]) -> Transfer:
@@ -138,49 +154,79 @@ class ReferenceConnector:
         self._pending_loads, self._delayed = [], set()
         for req_id in scheduler_output.preempted_req_ids:
             if req_id in self._block_tables:  # else it finished since it was preempted
-                self._block_tables[req_id] = []
+                self._block_tables[req_id] = [[] for _ in self.groups]
                 self._rewind(req_id)
-        self._collect_stores(scheduler_output, plan)
+        flush = self._collect_stores(scheduler_output, plan)
+        plan.flush = frozenset(flush)
         return plan
 
-    def _collect_stores(self, scheduler_output: SchedulerOutput, plan: TransferPlan) -> None:
+    def _collect_stores(self, scheduler_output: SchedulerOutput, plan: TransferPlan) -> set[int]:
+        """The stores of the batch; returns the stores to flush before the forward pass."""
+        flush: set[int] = set()
         for sched in scheduler_output.scheduled:
+            flush |= self._reading_left_behind(sched.req_id, sched.num_computed_tokens)
             self._update_block_table(sched)
-            keys, first = self._storable_keys(sched)
+            offered = self._storable(sched)
+            keys = [key for _j, _g, key in offered]
             slots = self.tier.prepare_store(keys, refuse=sched.req_id in self.refusing)
             if slots is None:
                 self.refusing.discard(sched.req_id)
                 continue  # no room for this request's blocks: skip it, never the rest of the batch
             if slots:
-                plan.stores.append(self._store_transfer(sched.req_id, first, keys, slots))
+                plan.stores.append(self._store_transfer(sched.req_id, offered, slots))
+        return flush
+
+    def _left_behind(self, group_index: int, computed: int) -> int:
+        """Leading blocks of a sliding window's table that the engine may have freed once ``computed`` tokens are
+        computed (it frees them without telling): none for full attention."""
+        window = self.groups[group_index].window
+        return 0 if window is None else max(0, computed - window + 1) // self.config.block_size
+
+    def _reading_left_behind(self, req_id: str, computed: int) -> set[int]:
+        """This request's stores that read a block its windows left behind: they must finish before the forward
+        pass, which may write that block for another request."""
+        tables = self._block_tables.get(req_id, [])
+        left = {b for g, table in enumerate(tables) for b in table[:self._left_behind(g, computed)]}
+        return {t.job_id for t in self._unfinished.values()
+                if t.req_id == req_id and t.kind == "store" and any(b in left for b, _key, _sub in t.copies)}
 
     def _update_block_table(self, sched) -> None:
         self._request(sched.req_id)
+        new = sched.group_block_ids or sched.block_ids
         if sched.kind == "running":
-            self._block_tables[sched.req_id].extend(sched.block_ids or ())
+            if new is not None:  # blocks allocated this step
+                for table, blocks in zip(self._block_tables[sched.req_id], self._tables(new)):
+                    table.extend(blocks)
         else:  # new or resumed: the whole table
-            self._block_tables[sched.req_id] = list(sched.block_ids)
+            self._block_tables[sched.req_id] = self._tables(new)
             self._rewind(sched.req_id)
 
     def _rewind(self, req_id: str) -> None:
         self._cursors[req_id] = 0
 
-    def _storable_keys(self, sched) -> tuple[list[int], int]:
-        """Keys of the offload blocks full after this step that the cursor has not passed; moves the cursor."""
+    def _storable(self, sched) -> list[tuple[int, int, int]]:
+        """(offload block, group, key) of the blocks full after this step that the cursor has not passed, in each
+        group that still holds them (not a block its window may have freed); moves the cursor."""
         keys = self._keys(self._requests[sched.req_id])  # only blocks whose tokens the engine has seen have one
         full = min((sched.num_computed_tokens + sched.num_scheduled_tokens) // self.config.offload_block_size,
                    len(keys))
-        first = self._cursors[sched.req_id]
+        first, k, tables = self._cursors[sched.req_id], self.config.k, self._block_tables[sched.req_id]
         self._cursors[sched.req_id] = max(first, full)
-        return keys[first:full], first
+        offered = []
+        for j in range(first, full):
+            for g, table in enumerate(tables):
+                blocks = table[j * k:j * k + k]
+                if j * k >= self._left_behind(g, sched.num_computed_tokens) and NULL_BLOCK not in blocks:
+                    offered.append((j, g, group_key(keys[j], g)))
+        return offered
 
-    def _store_transfer(self, req_id: str, first: int, keys: list[int], slots: dict[int, int]) -> Transfer:
-        k, table = self.config.k, self._block_tables[req_id]
+    def _store_transfer(self, req_id: str, offered: list[tuple[int, int, int]], slots: dict[int, int]) -> Transfer:
+        k, tables = self.config.k, self._block_tables[req_id]
         copies, rows = [], []
-        for j, key in enumerate(keys, start=first):
+        for j, g, key in offered:
             if key in slots:
                 for sub in range(k):
-                    copies.append((table[j * k + sub], key, sub))
+                    copies.append((tables[g][j * k + sub], key, sub))
                     rows.append(slots[key] * k + sub)
         return self._new_transfer(req_id, "store", copies, rows)
 
@@ -197,7 +243,7 @@ class ReferenceConnector:
             else:
                 self.tier.complete_load(transfer.keys, success)
 
-    def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
+    def request_finished(self, request: RequestView, block_ids: BlockIds) -> bool:
         req_id = self._request(request.req_id).req_id
         del self._requests[req_id]
         self._block_tables.pop(req_id, None)
@@ -239,6 +285,7 @@ class ReferenceConnector:
         self.executor.flush({t.job_id for t in self._submitted.values() if t.kind == "store" and t.req_id in req_ids})
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
+        self.executor.flush(set(metadata.flush))  # stores of blocks a sliding window left behind
         self._draining |= metadata.delayed
         for transfer in metadata.loads:
             self._submit(transfer)
@@ -283,7 +330,8 @@ class ReferenceConnector:
     # ================= for the conformance kit =================
     def observe(self) -> Observation:
         return Observation(
-            tracked={r: tuple(b) for r, b in self._block_tables.items()},
+            tracked={r: tuple(map(tuple, t)) if len(self.groups) > 1 else tuple(t[0])
+                     for r, t in self._block_tables.items()},
             cursors=dict(self._cursors),
             tier=tuple((key, slot.ready, slot.refs) for key, slot in self.tier.slots.items()),
             jobs=tuple(sorted((t.req_id, t.kind, t.copies) for t in self._unfinished.values())),

@@ -16,16 +16,17 @@ class BreakOnRefusedStore(ReferenceConnector):
     """The seed bug (vLLM v0.11.0): a refused store allocation ``break``s out of the batch loop, so every later
     request in the batch misses this step's new block ids."""
 
-    def _collect_stores(self, scheduler_output, plan) -> None:
+    def _collect_stores(self, scheduler_output, plan) -> set[int]:
         for sched in scheduler_output.scheduled:
             self._update_block_table(sched)
-            keys, first = self._storable_keys(sched)
-            slots = self.tier.prepare_store(keys, refuse=sched.req_id in self.refusing)
+            offered = self._storable(sched)
+            slots = self.tier.prepare_store([key for _j, _g, key in offered], refuse=sched.req_id in self.refusing)
             if slots is None:
                 self.refusing.discard(sched.req_id)
                 break  # the bug: should be `continue`
             if slots:
-                plan.stores.append(self._store_transfer(sched.req_id, first, keys, slots))
+                plan.stores.append(self._store_transfer(sched.req_id, offered, slots))
+        return set()
 
 
 class NoFlushOnPreemption(ReferenceConnector):
