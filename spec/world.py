@@ -14,7 +14,10 @@ The engine modes vLLM runs on GPUs are modelled too, because each one changes wh
     tokens it has not seen yet (placeholders) and a request's block hashes lag behind its scheduled tokens;
   * speculative decoding: draft tokens are scheduled and written like any other, then some are rejected, which
     rolls computed tokens back; a rejected draft's KV is rewritten and never has a hash;
-  * weight updates: the tier must forget everything, since KV computed before the update is wrong after it.
+  * weight updates: the tier must forget everything, since KV computed before the update is wrong after it;
+  * hybrid models: several KV cache groups (``Config.groups``: full attention, sliding windows), a block table
+    each; a sliding window's old blocks are freed while the request runs, and a prefix hit counts only as far as
+    every group can supply it (``groups.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .config import BlockIdError, Config
 from .groups import FULL_ATTENTION, Group, longest_hit
 from .types import (CONNECTOR_METHODS, HASH_BITS, NULL_BLOCK, Connector, Event, GpuKV, Grouped, Job, Observable,
                     Observation, Resettable, ScheduledRequest, SchedulerOutput, WorkerOutput, group_key)
+
 PARTIAL = -1  # content of a block whose tokens are only partly computed
 GARBAGE = -2  # content of a block nothing has written yet
 
