@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from kvoffload.spec.config import Config
-from kvoffload.spec.types import OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Observation
+from kvoffload.spec.types import GROUPS, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Observation
 
 from .scheduler import OffloadScheduler
 from .worker import OffloadWorker
 
 
 class OffloadConnector(OffloadScheduler, OffloadWorker):
-    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET})
+    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET, GROUPS})
 
     def __init__(self, config: Config) -> None:
         OffloadScheduler.__init__(self, config)
@@ -29,7 +29,8 @@ class OffloadConnector(OffloadScheduler, OffloadWorker):
     def observe(self) -> Observation:
         live = {r: s for r, s in self.requests.items() if s.allocated}
         return Observation(
-            tracked={r: tuple(s.block_table) for r, s in live.items()},
+            tracked={r: tuple(map(tuple, s.block_tables)) if self.hybrid else tuple(s.block_tables[0])
+                     for r, s in live.items()},
             cursors={r: s.cursor for r, s in live.items()},
             tier=self.tier.view(),
             jobs=tuple(sorted((t.req_id, t.kind, tuple(t.copies)) for t in self.unfinished.values())),

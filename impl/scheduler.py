@@ -13,8 +13,8 @@ import itertools
 from attrs import define, field
 
 from kvoffload.spec.config import Config, UnknownRequestError
-from kvoffload.spec.types import (Copy, Event, RequestView, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput,
-                                  key_index, offload_keys)
+from kvoffload.spec.types import (NULL_BLOCK, BlockIds, Copy, Event, RequestView, SchedulerOutput, TransferKind,
+                                  TransferPlan, WorkerOutput, group_key, key_index, offload_keys)
 
 from .tier import OffloadTier
 
@@ -22,7 +22,7 @@ from .tier import OffloadTier
 @define(slots=True)
 class RequestState:
     request: RequestView
-    block_table: list[int] = field(factory=list)
+    block_tables: list[list[int]] = field(factory=lambda: [[]])  # one per KV cache group
     cursor: int = 0  # the store cursor: offload blocks already offered to the tier
     unfinished: int = 0  # transfers built and not yet reported by every worker
     unfinished_stores: int = 0  # of which stores
@@ -52,6 +52,8 @@ class OffloadScheduler:
         self.config = config
         self.k, self.block_size, self.offload_size = config.k, config.block_size, config.offload_block_size
         self.tier = OffloadTier(config.tier_blocks, config.policy)
+        self.windows = [group.window for group in config.groups]  # None: full attention
+        self.hybrid = len(self.windows) > 1
         self.requests: dict[str, RequestState] = {}
         self.num_workers = config.num_workers
         self.unfinished: dict[int, Transfer] = {}  # built, not yet reported by every worker
@@ -71,33 +73,53 @@ class OffloadScheduler:
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
         state = self.requests.get(request.req_id)
         if state is None:
-            state = self.requests[request.req_id] = RequestState(request)
+            state = self.requests[request.req_id] = RequestState(request, [[] for _ in self.windows])
         self.counters["lookups"] += 1
         if state.unfinished:
             return 0, False  # no load while this request's stores are in flight
         hashes, k, size = request.block_hashes, self.k, self.offload_size
         first = j = num_computed_tokens // size
         limit = (request.num_tokens - 1) // size
-        key = key_index(first, k)  # then each offload block's key is k hashes further
-        while j < limit and self.tier.is_ready(hashes[key]):
-            j, key = j + 1, key + k
+        if self.hybrid:
+            j = self._hybrid_hit(offload_keys(hashes, k, 0, limit), first)
+        else:
+            key = key_index(first, k)  # then each offload block's key is k hashes further
+            while j < limit and self.tier.is_ready(hashes[key]):
+                j, key = j + 1, key + k
         if j == first:
             return 0, False
         return j * size - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
+    def _hybrid_hit(self, keys: list[int], first: int) -> int:
+        """The furthest offload block a hit can end at, blocks before ``first`` being on the GPU: every group finds
+        what it reads there in the tier (full attention: every block from ``first``; a window: its last ones)."""
+        size = self.offload_size
+        for end in range(len(keys), first, -1):
+            if all(self.tier.is_ready(group_key(keys[j], g))
+                   for g, window in enumerate(self.windows)
+                   for j in range(first if window is None else max(first, end - -(-(window - 1) // size)), end)):
+                return end
+        return first
+
+    def _tables(self, block_ids: BlockIds | tuple[int, ...] | tuple[tuple[int, ...], ...]) -> list[list[int]]:
+        return [list(t) for t in block_ids] if self.hybrid else [list(block_ids)]  # type: ignore[arg-type]
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds, num_external_tokens: int) -> None:
         state = self._state(request.req_id)
-        state.block_table, state.cursor, state.allocated = list(block_ids), 0, True
+        tables = state.block_tables = self._tables(block_ids)
+        state.cursor, state.allocated = 0, True
         self.counters["hit_tokens"] += num_external_tokens  # counted once the engine commits to the load
         if num_external_tokens:
             first = request.num_computed_tokens // self.block_size
             end = (request.num_computed_tokens + num_external_tokens) // self.block_size
             k, base = self.k, first // self.k
             keys = offload_keys(request.block_hashes, k, base, end // k)
-            slots = self.tier.prepare_load(keys)
-            copies = [(block_ids[p], keys[p // k - base], p % k) for p in range(first, end)]
-            host_rows = [slots[p // k - base] * k + p % k for p in range(first, end)]
-            self._pending_loads.append(self._new_transfer(state, "load", keys, copies, host_rows))
+            copies = [(table[p], group_key(keys[p // k - base], g), p % k) for g, table in enumerate(tables)
+                      for p in range(first, end) if table[p] != NULL_BLOCK]  # a window's older blocks: not loaded
+            load_keys = list(dict.fromkeys(key for _block, key, _sub in copies))
+            slot_of = dict(zip(load_keys, self.tier.prepare_load(load_keys)))
+            host_rows = [slot_of[key] * k + sub for _block, key, sub in copies]
+            self._pending_loads.append(self._new_transfer(state, "load", load_keys, copies, host_rows))
 
     def _new_transfer(self, state: RequestState, kind: TransferKind, keys: list[int], copies: list[Copy],
                       host_rows: list[int]) -> Transfer:
@@ -113,41 +135,83 @@ class OffloadScheduler:
         for req_id in scheduler_output.preempted_req_ids:
             state = self.requests.get(req_id)
             if state is not None:  # else it finished since it was preempted
-                state.block_table, state.cursor = [], 0
-        requests, size = self.requests, self.offload_size
+                state.block_tables, state.cursor = [[] for _ in self.windows], 0
+        requests, size, flush = self.requests, self.offload_size, set()
         for sched in scheduler_output.scheduled:  # the hot loop: most requests only decode a token
             state = requests.get(sched.req_id) or self._state(sched.req_id)
+            new: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = sched.block_ids
+            if self.hybrid:
+                flush |= self._reading_left_behind(state, sched.num_computed_tokens)
+                new = sched.group_block_ids
             if sched.kind == "running":
-                if sched.block_ids:
-                    state.block_table += sched.block_ids
+                if new:
+                    for table, blocks in zip(state.block_tables, self._tables(new)):
+                        table += blocks
             else:
-                state.block_table, state.cursor = list(sched.block_ids or ()), 0
+                state.block_tables, state.cursor = self._tables(new or ()), 0
             full = (sched.num_computed_tokens + sched.num_scheduled_tokens) // size
             if full > state.cursor:
-                store = self._store(state, full)
+                store = self._store(state, full, sched.num_computed_tokens)
                 if store is not None:
                     plan.stores.append(store)
+        plan.flush = frozenset(flush)
         return plan
 
-    def _store(self, state: RequestState, full: int) -> Transfer | None:
+    def _left_behind(self, group: int, computed: int) -> int:
+        """Leading blocks of a group's table that the engine may have freed (a sliding window's, once ``computed``
+        tokens are computed): it frees them without telling."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, computed - window + 1) // self.block_size
+
+    def _reading_left_behind(self, state: RequestState, computed: int) -> set[int]:
+        """Stores of this request still reading a block its windows left behind: flushed before the forward pass,
+        which may write that block for another request."""
+        if not state.unfinished_stores:
+            return set()
+        left = {b for g, table in enumerate(state.block_tables) for b in table[:self._left_behind(g, computed)]}
+        return {t.job_id for t in self.unfinished.values() if t.req_id == state.request.req_id and t.kind == "store"
+                and not left.isdisjoint(t.gpu_blocks)}
+
+    def _store(self, state: RequestState, full: int, computed: int) -> Transfer | None:
         """Offer offload blocks [cursor, full) to the tier, as far as their keys exist (tokens the engine has
-        seen); a transfer for those it accepts."""
+        seen); a transfer for those it accepts. In a hybrid model, each group's blocks that it still holds."""
         k, first = self.k, state.cursor
         keys = offload_keys(state.request.block_hashes, k, first, full)
         if not keys:
             return None
         state.cursor = first + len(keys)
+        if self.hybrid:
+            return self._store_groups(state, first, keys, computed)
         slots = self.tier.prepare_store(keys, refuse=state.request.req_id in self.refusing)
         if slots is None:  # refused: this request only
             self.refusing.discard(state.request.req_id)
         if not slots:  # ({}: all present)
             return None
-        table, copies, host_rows = state.block_table, [], []
+        table, copies, host_rows = state.block_tables[0], [], []
         for j, key in enumerate(keys, start=first):
             slot = slots.get(key)
             if slot is not None:
                 for sub in range(k):
                     copies.append((table[j * k + sub], key, sub))
+                    host_rows.append(slot * k + sub)
+        return self._new_transfer(state, "store", list(slots), copies, host_rows)
+
+    def _store_groups(self, state: RequestState, first: int, keys: list[int], computed: int) -> Transfer | None:
+        k, tables = self.k, state.block_tables
+        offered = [(j, g, group_key(key, g)) for j, key in enumerate(keys, start=first)
+                   for g, table in enumerate(tables)
+                   if j * k >= self._left_behind(g, computed) and NULL_BLOCK not in table[j * k:j * k + k]]
+        slots = self.tier.prepare_store([key for _j, _g, key in offered], refuse=state.request.req_id in self.refusing)
+        if slots is None:  # refused: this request only
+            self.refusing.discard(state.request.req_id)
+        if not slots:
+            return None
+        copies, host_rows = [], []
+        for j, g, key in offered:
+            slot = slots.get(key)
+            if slot is not None:
+                for sub in range(k):
+                    copies.append((tables[g][j * k + sub], key, sub))
                     host_rows.append(slot * k + sub)
         return self._new_transfer(state, "store", list(slots), copies, host_rows)
 
@@ -173,7 +237,7 @@ class OffloadScheduler:
                 self.tier.complete_load(transfer.keys, success)
                 self.counters["loaded_blocks" if success else "failed_loads"] += len(transfer.copies)
 
-    def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
+    def request_finished(self, request: RequestView, block_ids: BlockIds) -> bool:
         state = self._state(request.req_id)
         del self.requests[request.req_id]
         self.refusing.discard(request.req_id)

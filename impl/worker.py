@@ -45,6 +45,8 @@ class OffloadWorker:
             self.executor.flush(jobs)
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
+        if metadata.flush:  # stores of blocks a sliding window left behind (hybrid models)
+            self.executor.flush(set(metadata.flush))
         self.draining |= metadata.delayed
         for load in metadata.loads:
             self._submit(load)

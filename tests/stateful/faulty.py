@@ -98,9 +98,9 @@ class CursorPastHashes(OffloadConnector):
     what is hashed is right; moving the cursor to the scheduled end anyway skips those blocks for good (the fix
     for the IndexError this mode raised, done wrong)."""
 
-    def _store(self, state, full):
+    def _store(self, state, full, computed):
         hashed = len(state.request.block_hashes) // self.k
-        store = super()._store(state, min(full, hashed))
+        store = super()._store(state, min(full, hashed), computed)
         state.cursor = max(state.cursor, full)  # the bug: past blocks whose keys did not exist yet
         return store
 

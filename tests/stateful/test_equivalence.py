@@ -9,7 +9,7 @@ import torch
 from kvoffload.impl import OffloadConnector
 from kvoffload.impl.testing import LayeredKV
 from kvoffload.reference import ReferenceConnector, TensorKV
-from kvoffload.spec import SpecConnector
+from kvoffload.spec import GROUPS, SpecConnector
 from kvoffload.spec.kit import run_conformance
 
 from .scenarios import ARC_SCENARIOS, GPU_MODE_SCENARIOS, HYBRID_SCENARIOS, SCENARIOS
@@ -54,10 +54,20 @@ def test_reference_equals_spec_in_hybrid_models(name):
     assert "the model's KV cache groups" not in coverage.skipped
 
 
+@pytest.mark.parametrize("i, name", list(enumerate(HYBRID_SCENARIOS)))
+def test_impl_equals_spec_in_hybrid_models(i, name):
+    coverage = run_conformance(OffloadConnector, HYBRID_SCENARIOS[name], level="exact",
+                               kv_factory=LAYOUTS[i % len(LAYOUTS)])
+    assert "the model's KV cache groups" not in coverage.skipped
+
+
+class WithoutGroups(SpecConnector):
+    capabilities = SpecConnector.capabilities - {GROUPS}
+
+
 def test_a_connector_without_groups_runs_hybrid_models_with_the_hybrid_manager_off():
     """As vLLM does for a connector that is not SupportsHMA: every layer full attention, one group; the coverage
     says so, and the connector still equals the spec, exactly."""
     with pytest.warns(UserWarning, match="the model's KV cache groups"):
-        coverage = run_conformance(OffloadConnector, HYBRID_SCENARIOS["hybrid-w4-full-immediate"], level="exact",
-                                   kv_factory=LAYOUTS[0])
+        coverage = run_conformance(WithoutGroups, HYBRID_SCENARIOS["hybrid-w4-full-immediate"], level="exact")
     assert "the model's KV cache groups" in coverage.skipped

@@ -53,9 +53,9 @@ class _BreakOnRefusedStore(OffloadConnector):
     """The seed bug in the production connector: the batch loop stops at the first refused store, so the later
     requests of the batch never get this step's block ids."""
 
-    def _store(self, state, full):
+    def _store(self, state, full, computed):
         refusals = self.tier.refusals
-        store = super()._store(state, full)
+        store = super()._store(state, full, computed)
         if self.tier.refusals != refusals:
             raise _Refused
         return store

@@ -92,7 +92,7 @@ def test_the_monitor_still_catches_a_drifted_table_after_a_failed_load(model):
     still reported, for the request whose load failed too."""
     engine, a = failed_load_engine(model)
     b = "req-1"  # the long request, running
-    for side in (engine.connector.offload.requests[b].block_table, engine.connector.shadow.spec.block_tables[b]):
+    for side in (engine.connector.offload.requests[b].block_tables[0], engine.connector.shadow.spec.block_tables[b]):
         side.append(99)  # both connectors drift alike, so only the engine's own table can tell
     engine.step()
     assert any(f"request {b}: engine block table" in d for d in engine.connector.shadow.divergences)
