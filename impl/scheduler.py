@@ -136,19 +136,17 @@ class OffloadScheduler:
             state = self.requests.get(req_id)
             if state is not None:  # else it finished since it was preempted
                 state.block_tables, state.cursor = [[] for _ in self.windows], 0
-        requests, size, flush = self.requests, self.offload_size, set()
+        requests, size, hybrid, flush = self.requests, self.offload_size, self.hybrid, set()
         for sched in scheduler_output.scheduled:  # the hot loop: most requests only decode a token
             state = requests.get(sched.req_id) or self._state(sched.req_id)
-            new: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = sched.block_ids
-            if self.hybrid:
+            if hybrid:
                 flush |= self._reading_left_behind(state, sched.num_computed_tokens)
-                new = sched.group_block_ids
-            if sched.kind == "running":
-                if new:
-                    for table, blocks in zip(state.block_tables, self._tables(new)):
-                        table += blocks
+                self._update_tables(state, sched.kind, sched.group_block_ids)
+            elif sched.kind == "running":
+                if sched.block_ids:
+                    state.block_tables[0] += sched.block_ids
             else:
-                state.block_tables, state.cursor = self._tables(new or ()), 0
+                state.block_tables, state.cursor = [list(sched.block_ids or ())], 0
             full = (sched.num_computed_tokens + sched.num_scheduled_tokens) // size
             if full > state.cursor:
                 store = self._store(state, full, sched.num_computed_tokens)
@@ -156,6 +154,15 @@ class OffloadScheduler:
                     plan.stores.append(store)
         plan.flush = frozenset(flush)
         return plan
+
+    @staticmethod
+    def _update_tables(state: RequestState, kind: str, new: tuple[tuple[int, ...], ...] | None) -> None:
+        """A hybrid model's tables: this step's new blocks per group (running), or every group's whole table."""
+        if kind != "running":
+            state.block_tables, state.cursor = [list(table) for table in new or ()], 0
+        elif new:
+            for table, blocks in zip(state.block_tables, new):
+                table += blocks
 
     def _left_behind(self, group: int, computed: int) -> int:
         """Leading blocks of a group's table that the engine may have freed (a sliding window's, once ``computed``
