@@ -5,7 +5,7 @@ import pytest
 
 from kvoffload.spec import SpecConnector, Violation
 from kvoffload.spec.invariants import LIVENESS, SAFETY
-from kvoffload.spec.kit import run_conformance
+from kvoffload.spec.kit import make_machine, run_conformance
 
 from .connectors import SCENARIO, DelaysEveryFree, ForgetsDelayedFrees, NeverReleases, RaisesAtFinish
 
@@ -41,3 +41,16 @@ def test_every_invariant_has_one_kind():
     assert not set(SAFETY) & set(LIVENESS)
     assert {Violation(name, "").kind for name in SAFETY} == {"safety"}
     assert {Violation(name, "").kind for name in LIVENESS} == {"liveness"}
+
+
+def test_a_free_waits_for_both_the_connector_and_a_load_in_flight():
+    """Found by pr (seed 1) when DelaysEveryFree arrived: a request finished while its load was in flight, the
+    connector delayed its free too, and the world released the blocks when the load landed; the connector's later
+    finished_sending then named a request with no delayed free (JOBS). Fixed: a delayed free waits for every hold."""
+    state = make_machine(DelaysEveryFree, SCENARIO)()
+    state.add_requests(batch=[([1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 0, 1, 0], 2), ([0, 1, 0, 1, 2, 2, 0, 0, 0, 0, 0], 1)])
+    state.step(n=1)
+    state.add_requests(batch=[([0], 1)])
+    state.step(n=4)
+    state.invariants_hold()
+    state.teardown()

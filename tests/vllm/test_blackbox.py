@@ -211,3 +211,16 @@ def test_a_store_may_skip_chunks_already_in_the_tier():
     state.step(n=3)
     state.invariants_hold()
     state.teardown()
+
+
+def test_a_request_aborted_before_its_lookup_is_finished_for_the_connector():
+    """Found by pr once the world told connectors of arrivals (on_new_request, as vLLM's add_request does): vLLM's
+    connector tracked the request from its arrival, but the world reported its abort without request_finished, so
+    the next step's finished list named a request the connector still thought running (KeyError). vLLM calls
+    request_finished for every finished request it told the connector of; so does the world."""
+    state = make_machine(vllm_offloading, SCENARIOS["immediate-tiny-tier-arc"])()
+    state.add_requests(batch=[([0], 1)])
+    state.abort(i=0)
+    state.step(n=1)
+    state.invariants_hold()
+    state.teardown()
