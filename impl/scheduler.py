@@ -53,13 +53,16 @@ class OffloadScheduler:
         self.k, self.block_size, self.offload_size = config.k, config.block_size, config.offload_block_size
         self.tier = OffloadTier(config.tier_blocks, config.policy)
         self.windows = [group.window for group in config.groups]  # None: full attention
-        self.hybrid = len(self.windows) > 1
+        self.hybrid = len(self.windows) > 1  # block ids come one table per group
+        self.windowed = any(w is not None for w in self.windows)  # a window frees blocks while requests run
         self.requests: dict[str, RequestState] = {}
         self.num_workers = config.num_workers
         self.unfinished: dict[int, Transfer] = {}  # built, not yet reported by every worker
         self._pending_loads: list[Transfer] = []  # for the next plan
         self._delayed: set[str] = set()  # request_finished delayed their free since the last plan
         self.refusing: set[str] = set()  # fault injection: the tier refuses these requests' next store
+        self.origin: dict[int, tuple[int, int]] = {}  # a later group's tier key -> (block hash, group): for events
+        self._leaving: set[int] = set()  # keys that left the tier: their origins go once no unread event names them
         self._job_ids = itertools.count()
         self.counters = dict.fromkeys(("lookups", "hit_tokens", "stored_blocks", "loaded_blocks",
                                        "failed_stores", "failed_loads"), 0)
@@ -80,7 +83,7 @@ class OffloadScheduler:
         hashes, k, size = request.block_hashes, self.k, self.offload_size
         first = j = num_computed_tokens // size
         limit = (request.num_tokens - 1) // size
-        if self.hybrid:
+        if self.windowed:
             j = self._hybrid_hit(offload_keys(hashes, k, 0, limit), first)
         else:
             key = key_index(first, k)  # then each offload block's key is k hashes further
@@ -136,11 +139,13 @@ class OffloadScheduler:
             state = self.requests.get(req_id)
             if state is not None:  # else it finished since it was preempted
                 state.block_tables, state.cursor = [[] for _ in self.windows], 0
-        requests, size, hybrid, flush = self.requests, self.offload_size, self.hybrid, set()
+        requests, size, hybrid, windowed = self.requests, self.offload_size, self.hybrid, self.windowed
+        flush: set[int] = set()
         for sched in scheduler_output.scheduled:  # the hot loop: most requests only decode a token
             state = requests.get(sched.req_id) or self._state(sched.req_id)
-            if hybrid:
+            if windowed:
                 flush |= self._reading_left_behind(state, sched.num_computed_tokens)
+            if hybrid:
                 self._update_tables(state, sched.kind, sched.group_block_ids)
             elif sched.kind == "running":
                 if sched.block_ids:
@@ -187,7 +192,7 @@ class OffloadScheduler:
         if not keys:
             return None
         state.cursor = first + len(keys)
-        if self.hybrid:
+        if self.windowed:
             return self._store_groups(state, first, keys, computed)
         slots = self.tier.prepare_store(keys, refuse=state.request.req_id in self.refusing)
         if slots is None:  # refused: this request only
@@ -217,6 +222,8 @@ class OffloadScheduler:
         for j, g, key in offered:
             slot = slots.get(key)
             if slot is not None:
+                if g:
+                    self.origin[key] = (keys[j - first], g)
                 for sub in range(k):
                     copies.append((tables[g][j * k + sub], key, sub))
                     host_rows.append(slot * k + sub)
@@ -239,6 +246,8 @@ class OffloadScheduler:
                 state.unfinished_stores -= transfer.kind == "store"
             if transfer.kind == "store":
                 self.tier.complete_store(transfer.keys, success)
+                if not success:
+                    self._leaving.update(transfer.keys)
                 self.counters["stored_blocks" if success else "failed_stores"] += len(transfer.copies)
             else:
                 self.tier.complete_load(transfer.keys, success)
@@ -258,5 +267,12 @@ class OffloadScheduler:
         return True
 
     def take_events(self) -> list[Event]:
+        """The tier's events since the last call. The origins of the keys they name stay until the next call (the
+        caller reads them in between); a key that left the tier and is named by no event of this call goes now."""
         events, self.tier.events = self.tier.events, []
+        named = {key for event in events for key in event.keys}
+        for key in self._leaving - named:
+            if key not in self.tier.slot_of:
+                self.origin.pop(key, None)
+        self._leaving = (self._leaving & named) | {key for e in events if e.kind == "removed" for key in e.keys}
         return events

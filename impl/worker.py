@@ -25,6 +25,7 @@ class OffloadWorker:
         self.draining: set[str] = set()  # finished requests whose transfers have not all completed
         self.load_errors: set[int] = set()  # GPU blocks of failed loads, not yet reported
         self.bytes = {"store": 0, "load": 0}
+        self.several_groups = len(config.groups) > 1  # a failed load is reported by request, not by block ids
 
     def register_kv_caches(self, kv: Any, executor: Any = None) -> None:
         """``kv`` has ``caches`` (name -> tensor) and ``layout``; ``executor`` defaults to CUDA streams when the
@@ -67,19 +68,21 @@ class OffloadWorker:
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
         results = self.executor.poll()
-        recving = set()
+        recving, failed_recving = set(), set()
         for job_id, success in results:
             transfer = self.submitted.pop(job_id)
             self._forget(transfer)
             if transfer.kind == "load":
                 recving.add(transfer.req_id)
-                if not success:
+                if not success and self.several_groups:  # vLLM takes no block ids then: the whole request
+                    failed_recving.add(transfer.req_id)
+                elif not success:
                     self.load_errors.update(transfer.gpu_blocks)
             if success:
                 self.bytes[transfer.kind] += len(transfer.copies) * self.copier.pool.row_bytes
         sending = {r for r in self.draining if not self.pending[r]}
         self.draining -= sending
-        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results))
+        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results), frozenset(failed_recving))
 
     def _forget(self, transfer: Transfer) -> None:
         self.pending[transfer.req_id] -= 1

@@ -311,17 +311,21 @@ class ReferenceConnector:
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
         pending = Counter(t.req_id for t in self._submitted.values())
         results = self.executor.poll()
-        recving = set()
+        recving, failed_recving = set(), set()
         for job_id, success in results:
             transfer = self._submitted.pop(job_id)
             pending[transfer.req_id] -= 1
             if transfer.kind == "load":
                 recving.add(transfer.req_id)
-                if not success:
+                if success:
+                    continue
+                if len(self.groups) > 1:  # with several groups, a failed load is reported by its request
+                    failed_recving.add(transfer.req_id)
+                else:
                     self._load_errors.update(b for b, _key, _sub in transfer.copies)
         sending = {r for r in self._draining if pending[r] == 0}
         self._draining -= sending
-        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results))
+        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results), frozenset(failed_recving))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -10,15 +10,15 @@ from .groups import Group
 from .connector import SpecConnector
 from .invariants import SPEC_VERSION, Violation, require
 from .types import (CAPABILITIES, CONNECTOR_METHODS, FENCED_FREES, GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET,
-                    TRANSFER_FAILURES, Adapter, Connector, Copy, Event, GpuKV, Job, Key, Observation, RequestView,
-                    ScheduledRequest, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput, group_key, key_index,
-                    offload_keys)
+                    TRANSFER_FAILURES, Adapter, BlockIds, Connector, Copy, Event, GpuKV, Job, Key, Observation,
+                    RequestView, ScheduledRequest, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput, group_key,
+                    key_index, offload_keys)
 from .world import GARBAGE, Executor, ListKV, Request, State, World
 
 __all__ = [
     "CAPABILITIES", "CONNECTOR_METHODS", "FENCED_FREES", "GARBAGE", "GROUPS", "NULL_BLOCK", "OBSERVE", "REFUSE_STORE",
     "RESET", "TRANSFER_FAILURES", "Group", "group_key",
-    "Adapter",
+    "Adapter", "BlockIds",
     "SPEC_VERSION", "BlockIdError", "Config", "ConfigError", "Connector", "Copy", "Event", "Executor", "GpuKV", "Job",
     "Key", "ListKV", "Observation", "Request", "RequestView", "ScheduledRequest", "SchedulerOutput", "SpecConnector",
     "State", "TransferKind", "TransferPlan", "UnknownRequestError", "Violation", "WorkerOutput", "World",

@@ -259,12 +259,16 @@ class SpecConnector:
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
         results = self.executor.poll()
         done = [self.submitted.pop(job_id) for job_id, _success in results]
-        self.load_errors |= {b for t, (_id, success) in zip(done, results) if t.kind == "load" and not success
-                             for b, _k, _s in t.copies}
+        failed = [t for t, (_id, success) in zip(done, results) if t.kind == "load" and not success]
+        if len(self.config.groups) > 1:  # a block id does not say which group's block failed: the whole request
+            failed_recving = {t.req_id for t in failed}
+        else:  # its blocks: the engine keeps the valid prefix
+            failed_recving = set()
+            self.load_errors |= {b for t in failed for b, _k, _s in t.copies}
         busy = {t.req_id for t in self.submitted.values()}
         sending, self.draining = self.draining - busy, self.draining & busy
         recving = {t.req_id for t in done if t.kind == "load"}
-        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results))
+        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results), frozenset(failed_recving))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

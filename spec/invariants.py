@@ -97,7 +97,7 @@ def track(world: World, obs: Observation) -> None:
     for req in world.requests.values():
         if req.looked_up and req.blocks:
             got = obs.tracked.get(req.req_id, ())
-            _require(_same_tables(world.table_of(req), got, world.grouped), "TRACK",
+            _require(same_tables(world.table_of(req), got, world.grouped), "TRACK",
                      f"step {world.step_no}, request {req.req_id}: scheduler table {world.table_of(req)}, "
                      f"connector {got}")
     for req_id, table in obs.tracked.items():
@@ -105,19 +105,19 @@ def track(world: World, obs: Observation) -> None:
         if owner is not None and owner.state.value == "waiting" and not owner.blocks:
             continue  # vLLM freed its blocks after a failed load without telling; the next alloc replaces the table
         if any(len(t) for t in cast("tuple[tuple[int, ...], ...]", table)) if world.grouped else table:
-            _require(owner is not None and _same_tables(world.table_of(owner), table, world.grouped), "TRACK",
+            _require(owner is not None and same_tables(world.table_of(owner), table, world.grouped), "TRACK",
                      f"step {world.step_no}: connector tracks {table} for {req_id}, which holds "
                      f"{world.table_of(owner) if owner is not None else 'no blocks'}")
 
 
-def _same_tables(engine: tuple[Any, ...], tracked: tuple[Any, ...], grouped: bool) -> bool:
+def same_tables(engine: tuple[Any, ...], tracked: tuple[Any, ...], grouped: bool) -> bool:
     """A tracked table equals the engine's, except where a sliding window freed a block: vLLM does not tell the
     connector when (its own copy keeps the old id there, and it must not read it: SRC)."""
-    if not grouped:
-        return engine == tracked
-    return len(engine) == len(tracked) and all(
-        len(mine) == len(theirs) and all(e in (NULL_BLOCK, t) for e, t in zip(mine, theirs))
-        for mine, theirs in zip(engine, tracked))
+    def same(mine: tuple[int, ...], theirs: tuple[int, ...]) -> bool:
+        return len(mine) == len(theirs) and all(e in (NULL_BLOCK, t) for e, t in zip(mine, theirs))
+    if not grouped:  # one table (a model of one attention kind: it may be a sliding window's)
+        return same(engine, tracked)
+    return len(engine) == len(tracked) and all(same(mine, theirs) for mine, theirs in zip(engine, tracked))
 
 
 def src(world: World) -> None:
@@ -266,18 +266,28 @@ def finish(req: Request, delayed: bool, stores: list[Job]) -> None:
 
 
 def completions(world: World, executor: Executor, output: WorkerOutput, load_errors: set[int]) -> None:
-    """JOBS / FAIL — each worker reports each of its completions once and for a known request; a failed load's
-    blocks are reported invalid (so the engine recomputes them) and nothing else is.
+    """JOBS / FAIL — each worker reports each of its completions once and for a known request; a failed load is
+    reported, so that the engine recomputes what it should have loaded, and nothing else is: with one KV cache
+    group either its blocks as invalid or its request in ``failed_recving``; with several, its request (vLLM
+    raises on invalid block ids then: a block id does not say which group's block failed).
     """
     polled = executor.last_polled
     reported = Counter(output.job_results)
     expected = Counter((job.job_id, bool(job.success)) for job in polled)
     _require(reported == expected, "JOBS",
              f"step {world.step_no}: worker reported {sorted(reported)}, transfers that completed {sorted(expected)}")
-    failed_load_blocks = {b for job in polled if job.kind == "load" and not job.success for b in job.gpu_blocks}
+    failed = [job for job in polled if job.kind == "load" and not job.success]
+    failed_req_ids = {job.req_id for job in failed}
+    _require(output.failed_recving <= failed_req_ids, "FAIL",
+             f"step {world.step_no}: failed_recving names {sorted(output.failed_recving - failed_req_ids)}, whose "
+             f"loads did not fail")
+    _require(not load_errors or len(world.groups) == 1, "FAIL",
+             f"step {world.step_no}: invalid blocks {sorted(load_errors)} reported in a model of "
+             f"{len(world.groups)} KV cache groups: vLLM raises RuntimeError; report the request in failed_recving")
+    failed_load_blocks = {b for job in failed if job.req_id not in output.failed_recving for b in job.gpu_blocks}
     _require(load_errors == failed_load_blocks, "FAIL",
              f"step {world.step_no}: invalid blocks reported {sorted(load_errors)}, "
-             f"failed loads wrote {sorted(failed_load_blocks)}")
+             f"failed loads wrote {sorted(failed_load_blocks)} (of requests not in failed_recving)")
     loaded = {job.req_id for job in polled if job.kind == "load"}
     _require(output.finished_recving == loaded, "JOBS",
              f"step {world.step_no}: finished_recving {sorted(output.finished_recving)}, loads done {sorted(loaded)}")

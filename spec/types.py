@@ -114,6 +114,10 @@ class WorkerOutput:
     finished_sending: frozenset[str] = frozenset()  # finished requests whose delayed blocks may now be freed
     finished_recving: frozenset[str] = frozenset()  # requests whose load completed (successfully or not)
     job_results: tuple[tuple[int, bool], ...] = ()  # (job id, success): once per transfer from each worker
+    # requests whose load failed, as a whole: the engine recomputes them from scratch. A hybrid model's failed load
+    # must be reported so (vLLM raises on invalid block ids when a block id does not name one group's block);
+    # with one group, invalid block ids (``get_block_ids_with_load_errors``) keep the valid prefix instead.
+    failed_recving: frozenset[str] = frozenset()
 
 
 @frozen

@@ -163,6 +163,9 @@ class Request:
     rollback: int = 0  # rejected drafts the scheduler has not rolled back yet (async scheduling)
     num_final_tokens: int = 0  # leading positions whose KV the true tokens wrote, for good
     tables: list[list[int]] = field(factory=lambda: [[]])  # a block table per KV cache group (NULL_BLOCK: freed)
+    # blocks a sliding window freed from these tables -> (group, position): a store fenced before their reuse may
+    # still read them (vLLM's connector does), until they are written again
+    left_behind: dict[int, tuple[int, int]] = field(factory=dict)
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     load_target: int = 0  # tokens computed once the pending load lands
     looked_up: bool = False  # the connector has seen this request
@@ -330,6 +333,7 @@ class World:
     failed_jobs: set[int] = field(factory=set)  # jobs some worker reported as failed
     remaining: dict[str, Counter[str]] = field(factory=lambda: {"sending": Counter(), "recving": Counter()})
     bad_blocks: set[int] = field(factory=set)  # reported invalid, their request's load not yet finished
+    failed_loads: set[str] = field(factory=set)  # reported in failed_recving by some worker, not by all finished yet
     window_freed: set[int] = field(factory=set)  # freed by a sliding window, not written since: stores are fenced
     undelivered: StepOutput | None = None  # async scheduling: the last step's output
     epoch: int = 0  # weight updates so far
@@ -338,7 +342,8 @@ class World:
     events: list[Event] = field(factory=list)
     stats: dict[str, int] = field(factory=lambda: dict.fromkeys(
         ("steps", "requests", "finished", "preemptions", "engine_hit_blocks", "tier_hit_tokens", "blocks_loaded",
-         "blocks_stored", "failed_transfers", "drafts", "rejected_drafts", "weight_updates", "checks"), 0))
+         "blocks_stored", "failed_transfers", "drafts", "rejected_drafts", "weight_updates", "window_freed_blocks",
+         "checks"), 0))
 
     @pool.default
     def _pool(self) -> BlockPool:
@@ -347,8 +352,10 @@ class World:
     @property
     def groups(self) -> tuple[Group, ...]:
         """The KV cache groups the engine runs: the model's, or one full-attention group for a connector that
-        does not take several (vLLM turns its hybrid manager off for it)."""
-        return self.config.groups if self.grouped else FULL_ATTENTION
+        does not take several (vLLM turns its hybrid manager off for it). A model of one attention kind keeps its
+        group either way, sliding window included: vLLM then frees the blocks that fall out of the window for any
+        connector, and hands it one table with null blocks in it."""
+        return self.config.groups if self.grouped or len(self.config.groups) == 1 else FULL_ATTENTION
 
     def table_of(self, req: Request) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:
         """A request's block tables as a connector's ``observe()`` reports them (``Observation.tracked``)."""
@@ -556,7 +563,7 @@ class World:
         first_step = num_external if num_external else min(req.num_tokens - num_local, budget)
         held = [b for table in hit for b in table if b != NULL_BLOCK]
         self.pool.take(held)
-        req.tables = [list(table) for table in hit]
+        req.tables, req.left_behind = [list(table) for table in hit], {}
         for table, group in zip(req.tables, self.groups):
             start = group.needed_for_hit((num_local + num_external) // bs, bs).start if num_external else 0
             table += [NULL_BLOCK] * (start - len(table))
@@ -593,12 +600,14 @@ class World:
         must be done before the block is written again (the connector can tell from the window and the computed
         tokens which blocks these may be, and flushes its stores of them)."""
         bs = self.config.block_size
-        for table, group in zip(req.tables, self.groups):
+        for g, (table, group) in enumerate(zip(req.tables, self.groups)):
             for i in range(min(group.skipped_blocks(req.num_final_tokens, bs), len(table))):
                 if table[i] != NULL_BLOCK:
                     invariants.not_in_flight(self, table[i], "freed by the sliding window", ("load",))
                     self.pool.release([table[i]])
                     self.window_freed.add(table[i])
+                    req.left_behind[table[i]] = (g, i)
+                    self.stats["window_freed_blocks"] += 1
                     table[i] = NULL_BLOCK
 
     def _preempt(self, req: Request, drop_in_flight: bool = False) -> None:
@@ -664,7 +673,8 @@ class World:
 
     def _worker_output(self, out: SchedulerOutput) -> tuple[WorkerOutput, set[int]]:
         """Every worker's completions, checked, then merged as vLLM's ``KVOutputAggregator`` merges them: a
-        request is finished once every worker said so, job results are concatenated, invalid blocks united."""
+        request is finished once every worker said so, job results are concatenated, invalid blocks united, and a
+        failed load is failed once its request is finished and some worker said it failed."""
         sending: set[str] = set()
         recving: set[str] = set()
         results: list[tuple[int, bool]] = []
@@ -676,9 +686,11 @@ class World:
             invariants.completions(self, executor, output, load_errors)
             results += output.job_results
             errors |= load_errors
+            self.failed_loads |= output.failed_recving
             sending |= self._count_down("sending", output.finished_sending)
             recving |= self._count_down("recving", output.finished_recving)
-        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results)), errors
+        failed, self.failed_loads = self.failed_loads & recving, self.failed_loads - recving
+        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results), frozenset(failed)), errors
 
     def _count_down(self, what: str, req_ids: frozenset[str]) -> set[str]:
         remaining, done = self.remaining[what], set()
@@ -726,7 +738,7 @@ class World:
             if req_id in self.delayed:  # finished while its load was in flight
                 self._unhold(req_id, "recving")
                 continue
-            self._load_landed(self.requests[req_id])
+            self._load_landed(self.requests[req_id], failed=req_id in output.failed_recving)
 
     def _unhold(self, req_id: str, what: str) -> None:
         """One hold on a delayed free ends; the blocks go once none is left."""
@@ -738,13 +750,15 @@ class World:
             del self.holds[req_id]
             self._release(self.delayed.pop(req_id).blocks)
 
-    def _load_landed(self, req: Request) -> None:
+    def _load_landed(self, req: Request, failed: bool = False) -> None:
         """The request resumes from the longest prefix every group can still supply: up to the first block a
-        failed load left invalid, or (a sliding window) short of the blocks it needs."""
+        failed load left invalid, or (a sliding window) short of the blocks it needs; from scratch when its load
+        failed as a whole (``failed_recving``: vLLM sets its computed tokens to 0)."""
         bs, bad = self.config.block_size, self.bad_blocks & set(req.blocks)
         self.bad_blocks -= set(req.blocks)
-        done = bs * longest_hit(self.groups, bs, req.load_target // bs,
-                                lambda g, i: req.tables[g][i] not in bad and req.tables[g][i] != NULL_BLOCK)
+        done = 0 if failed else bs * longest_hit(
+            self.groups, bs, req.load_target // bs,
+            lambda g, i: req.tables[g][i] not in bad and req.tables[g][i] != NULL_BLOCK)
         self.stats["blocks_loaded"] += (done - req.num_computed_tokens) // bs
         req.num_computed_tokens = req.num_final_tokens = done
         req.state = State.WAITING

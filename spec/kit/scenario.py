@@ -13,6 +13,7 @@ from typing import Any, Literal
 from attrs import frozen
 
 from ..config import Config
+from ..groups import FULL_ATTENTION
 from ..types import CAPABILITIES, CAPABILITY_METHODS
 
 
@@ -28,16 +29,18 @@ class Scenario:
 
     @property
     def hybrid(self) -> bool:
-        """The model has several KV cache groups (sliding-window and full-attention layers)."""
+        """The model has several KV cache groups (sliding-window and full-attention layers): without GROUPS, vLLM
+        turns its hybrid manager off. (A model of one attention kind keeps its one group, sliding window or not.)"""
         return len(self.config.groups) > 1
 
     def __str__(self) -> str:
         c = self.config
         cache = "" if c.prefix_caching else " no-prefix-cache"
         timing = f"delay={self.delay}" if self.delay else "immediate"
+        groups = ",".join(str(g.window or "full") for g in c.groups)
         modes = "".join((" async" if c.async_scheduling else "", f" spec={c.num_spec_tokens}" * bool(c.num_spec_tokens),
                          f" workers={c.num_workers}" * (c.num_workers > 1), " broken-loads" * self.broken_loads,
-                         f" groups={','.join(str(g.window or 'full') for g in c.groups)}" * self.hybrid))
+                         f" groups={groups}" * (c.groups != FULL_ATTENTION)))
         return (f"k={c.k} gpu={c.num_gpu_blocks}{cache} tier={c.tier_blocks} {c.policy} budget={c.token_budget} "
                 f"{timing}{' failures' if self.failures else ''}{modes}")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from kvoffload.impl import OffloadConnector, OffloadTier
 from kvoffload.reference import LRUTier, ReferenceConnector
 from kvoffload.spec import SpecConnector
-from kvoffload.spec.types import group_key, offload_keys
+from kvoffload.spec.types import WorkerOutput, group_key, offload_keys
 
 
 class BreakOnRefusedStore(ReferenceConnector):
@@ -217,8 +217,21 @@ class SwapsGroups(SpecConnector):
         return super()._new_transfer(req_id, kind, copies)
 
 
+class FailsLoadsByBlock(SpecConnector):
+    """A hybrid model's failed load reported as invalid block ids, as with one group: vLLM raises RuntimeError
+    (a block id does not say which group's block failed) and the engine stops."""
+
+    def get_finished(self, finished_req_ids):
+        submitted = dict(self.submitted)
+        output = super().get_finished(finished_req_ids)
+        self.load_errors |= {b for job_id, success in output.job_results if not success
+                             and submitted[job_id].kind == "load" for b, _key, _sub in submitted[job_id].copies}
+        return WorkerOutput(output.finished_sending, output.finished_recving, output.job_results)  # the bug
+
+
 # each hybrid variant, with the scenario (in scenarios.HYBRID_SCENARIOS) that triggers it
 HYBRID_VARIANTS = {
+    FailsLoadsByBlock: "hybrid-k2-w5-full-delayed-failures",
     StoresAfterTheWindowFreed: "hybrid-k2-w5-full-delayed-failures",
     LoadsNullBlocks: "hybrid-w4-full-immediate",
     HitsWithoutTheWindow: "hybrid-w4-full-immediate",

@@ -42,8 +42,11 @@ ARC_SCENARIOS = {
 }
 
 # Hybrid models: KV cache groups of full attention and sliding windows (windows in tokens; block_size 2). A
-# connector that declares GROUPS gets a block table per group; the others run with the hybrid manager off.
+# connector that declares GROUPS gets a block table per group; the others run with the hybrid manager off. A model
+# whose layers all slide (Mistral-style) keeps its one windowed group for every connector, as in vLLM.
 HYBRID_SCENARIOS = {
+    "hybrid-w4-only-delayed-failures": Scenario(
+        Config(num_gpu_blocks=16, tier_blocks=6, groups=(Group(4),)), delay=1, failures=True),
     "hybrid-w4-full-immediate": Scenario(Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(4), Group()))),
     "hybrid-full-w6-w3-no-prefix-cache": Scenario(
         Config(num_gpu_blocks=30, tier_blocks=8, groups=(Group(), Group(6), Group(3)), prefix_caching=False)),

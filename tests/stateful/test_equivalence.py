@@ -45,7 +45,7 @@ def test_spec_keeps_its_invariants_in_hybrid_models(name):
     supply, with the engine modes mixed in."""
     coverage = run_conformance(SpecConnector, HYBRID_SCENARIOS[name], level="invariants")
     assert "the model's KV cache groups" not in coverage.skipped
-    assert coverage.world["blocks_stored"] and coverage.world["blocks_loaded"]
+    assert coverage.world["blocks_stored"] and coverage.world["blocks_loaded"] and coverage.world["window_freed_blocks"]
 
 
 @pytest.mark.parametrize("name", HYBRID_SCENARIOS)
@@ -71,3 +71,11 @@ def test_a_connector_without_groups_runs_hybrid_models_with_the_hybrid_manager_o
     with pytest.warns(UserWarning, match="the model's KV cache groups"):
         coverage = run_conformance(WithoutGroups, HYBRID_SCENARIOS["hybrid-w4-full-immediate"], level="exact")
     assert "the model's KV cache groups" in coverage.skipped
+
+
+def test_a_connector_without_groups_keeps_the_window_of_a_model_whose_layers_all_slide():
+    """vLLM keeps a model of one attention kind as it is, without SupportsHMA too: the window frees blocks while
+    requests run, and the connector gets one table with null blocks in it. Nothing is skipped."""
+    coverage = run_conformance(WithoutGroups, HYBRID_SCENARIOS["hybrid-w4-only-delayed-failures"], level="exact")
+    assert "the model's KV cache groups" not in coverage.skipped
+    assert coverage.world["window_freed_blocks"] and coverage.world["blocks_loaded"]
