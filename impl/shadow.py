@@ -20,16 +20,18 @@ from attrs import fields
 
 from kvoffload.spec import SpecConnector
 from kvoffload.spec.config import Config
-from kvoffload.spec.types import Observation, SchedulerOutput, WorkerOutput
+from kvoffload.spec.invariants import same_tables
+from kvoffload.spec.types import BlockIds, Observation, SchedulerOutput, WorkerOutput
 
 logger = logging.getLogger("kvoffload.shadow")
 
 
 class ShadowMonitor:
-    def __init__(self, config: Config, production: Any, engine_tables: Callable[[str], list[int] | None]) -> None:
+    def __init__(self, config: Config, production: Any, engine_tables: Callable[[str], BlockIds | None]) -> None:
         self.spec = SpecConnector(config)
         self.production = production
-        self.engine_tables = engine_tables  # request id -> the engine's block table (None: no blocks)
+        self.engine_tables = engine_tables  # request id -> the engine's block tables (None: it has none)
+        self.grouped = len(config.groups) > 1  # tables come one per KV cache group
         self.steps = self.checks = 0
         self.divergences: list[str] = []
         self.load_failed: set[str] = set()  # requests whose load failed, not allocated since: vLLM may free them
@@ -69,7 +71,7 @@ class ShadowMonitor:
         self._same(f"lookup of {request.req_id}", answer,
                    self.spec.get_num_new_matched_tokens(request, num_computed_tokens))
 
-    def alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def alloc(self, request: Any, block_ids: BlockIds, num_external_tokens: int) -> None:
         self.load_failed.discard(request.req_id)
         self.spec.update_state_after_alloc(request, block_ids, num_external_tokens)
         self._same_state(f"update_state_after_alloc of {request.req_id}")
@@ -81,10 +83,16 @@ class ShadowMonitor:
         for req_id, table in self.production.observe().tracked.items():
             engine = self.engine_tables(req_id)
             self.checks += 1
-            if not engine and req_id in self.load_failed:
+            if engine is None or not self._holds(table):
+                continue
+            if not self._holds(engine) and req_id in self.load_failed:
                 continue  # freed by vLLM after the failed load; the next allocation brings a new table
-            if table and engine is not None and list(table) != list(engine):
-                self._diverged(f"request {req_id}: engine block table {list(engine)}, connector {list(table)}")
+            engine_table = tuple(map(tuple, engine)) if self.grouped else tuple(engine)  # type: ignore[arg-type]
+            if not same_tables(engine_table, table, self.grouped):  # the spec's TRACK, null blocks and all
+                self._diverged(f"request {req_id}: engine block table {engine_table}, connector {table}")
+
+    def _holds(self, table: Any) -> bool:
+        return any(map(len, table)) if self.grouped else bool(table)
 
     def results(self, output: WorkerOutput) -> None:
         for job_id, success in output.job_results:
@@ -98,7 +106,8 @@ class ShadowMonitor:
         self._same("reset_cache", done, self.spec.reset_cache())
         self._same_state("reset_cache")
 
-    def finished(self, request: Any, delayed: bool) -> None:
+    def finished(self, request: Any, block_ids: BlockIds, delayed: bool) -> None:
         self.load_failed.discard(request.req_id)
         if request.req_id in self.spec.requests:
-            self._same(f"request_finished of {request.req_id}", delayed, self.spec.request_finished(request, []))
+            self._same(f"request_finished of {request.req_id}", delayed,
+                       self.spec.request_finished(request, block_ids))

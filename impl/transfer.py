@@ -21,15 +21,19 @@ LAYOUTS = ("blocks_first", "kv_first")  # [num_blocks, ...] / [2, num_blocks, ..
 
 
 def block_views(caches: Mapping[str, torch.Tensor], layout: str) -> list[torch.Tensor]:
-    """``[num_blocks, bytes]`` uint8 views of every region a block occupies, in a fixed order."""
+    """``[num_blocks, bytes]`` uint8 views of every region a block occupies, in a fixed order, each once: in a
+    hybrid model the KV cache groups overlay one allocation (a layer of each group on the same bytes, since a block
+    belongs to one group at a time), and copying a block's bytes once copies it for whichever group holds it."""
     if layout not in LAYOUTS:
         raise ConfigError(f"unknown KV layout {layout!r}; known: {', '.join(LAYOUTS)}")
-    views = []
+    unique: dict[tuple[int, ...], torch.Tensor] = {}
     for name, tensor in caches.items():
         for part in ((tensor[0], tensor[1]) if layout == "kv_first" else (tensor,)):
             if not part.is_contiguous():
                 raise ConfigError(f"KV cache {name!r} is not contiguous: blocks cannot be copied as byte spans")
-            views.append(part.reshape(part.shape[0], -1).view(torch.uint8))
+            view = part.reshape(part.shape[0], -1).view(torch.uint8)
+            unique.setdefault((view.data_ptr(), *view.shape), view)  # an aliased layer: the same bytes
+    views = list(unique.values())
     if not views or len({v.shape[0] for v in views}) != 1:
         raise ConfigError(f"KV caches disagree on the number of blocks: {[tuple(v.shape) for v in views]}")
     return views

@@ -9,6 +9,10 @@
 
 vLLM builds one instance per role; each uses one side of ``OffloadConnector``. This module only translates
 vLLM's objects into the neutral types of ``kvoffload.spec.types`` and back; all vLLM imports live here.
+
+Hybrid models (``SupportsHMA``): vLLM keeps its hybrid KV cache manager on, and gives block ids one list per KV
+cache group (full attention or a sliding window); its null block (id 0), which stands where a window freed a
+block, becomes ``NULL_BLOCK``.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ from typing import Any, Callable, Iterable, cast
 import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole, KVConnectorWorkerMetadata)
+                                                               KVConnectorRole, KVConnectorTransferResults,
+                                                               KVConnectorWorkerMetadata, SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
 
 from kvoffload.spec.config import Config, ConfigError
-from kvoffload.spec.types import ScheduledRequest, SchedulerOutput, TransferPlan, WorkerOutput
+from kvoffload.spec.groups import Group
+from kvoffload.spec.types import NULL_BLOCK, BlockIds, ScheduledRequest, SchedulerOutput, TransferPlan, WorkerOutput
 
 from .connector import OffloadConnector
 from .shadow import ShadowMonitor
@@ -138,6 +145,20 @@ class CacheTensors:
     layout: str = field(default="blocks_first")
 
 
+VLLM_NULL_BLOCK = 0  # vLLM's null block: where a sliding window freed a block, or a hit does not need one
+
+
+def group_of(spec: Any, index: int) -> Group:
+    """A KV cache group's spec as our ``Group``: full attention (MLA included) or a sliding window."""
+    specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+    kinds = {Group(s.sliding_window) if isinstance(s, SlidingWindowSpec) else Group()
+             for s in specs if isinstance(s, (SlidingWindowSpec, FullAttentionSpec))}
+    if len(kinds) != 1 or len(specs) != sum(isinstance(s, (SlidingWindowSpec, FullAttentionSpec)) for s in specs):
+        raise ConfigError(f"KV cache group {index} is {type(spec).__name__}: KVOffloadConnector handles full-attention "
+                          f"and sliding-window groups only (not Mamba, chunked-local or cross attention)")
+    return kinds.pop()
+
+
 def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
     """Our Config from vLLM's: one clear ConfigError for anything we cannot run with. Every worker of the world
     (tensor x pipeline parallel) runs our worker side and reports every transfer: ``num_workers``."""
@@ -149,16 +170,21 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
         check, expected = EXTRA[key]
         if not check(value):
             raise ConfigError(f"kv_connector_extra_config {key}={value!r}: expected {expected}")
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        raise ConfigError("KVOffloadConnector supports models with one KV cache group (full attention) only")
-    group = kv_cache_config.kv_cache_groups[0]
-    block_size = group.kv_cache_spec.block_size
+    vllm_groups = kv_cache_config.kv_cache_groups
+    groups = tuple(group_of(g.kv_cache_spec, i) for i, g in enumerate(vllm_groups))
+    block_sizes = sorted({g.kv_cache_spec.block_size for g in vllm_groups})
+    if len(block_sizes) != 1:
+        raise ConfigError(f"KV cache groups with different block sizes {block_sizes} are not supported yet")
+    block_size = block_sizes[0]
     offload = extra.get("offload_block_size", block_size)
     if offload % block_size:
         raise ConfigError(f"offload_block_size={offload} tokens is not a multiple of the engine's block size "
                           f"({block_size} tokens)")
-    layers = len(group.layer_names)
-    offload_bytes = group.kv_cache_spec.page_size_bytes * layers * (offload // block_size)
+    # The groups overlay one allocation (a block id belongs to one group at a time): a block is as large as the
+    # largest group's layers, and the worker copies each byte span once.
+    largest = max(vllm_groups, key=lambda g: g.kv_cache_spec.page_size_bytes * len(g.layer_names))
+    layers = len(largest.layer_names)
+    offload_bytes = largest.kv_cache_spec.page_size_bytes * layers * (offload // block_size)
     tier_bytes = extra.get("tier_bytes", 1 << 30)
     if tier_bytes < offload_bytes:
         raise ConfigError(f"tier_bytes={tier_bytes} holds no offload block: one offload block of {offload} tokens "
@@ -166,29 +192,55 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
     return Config(num_gpu_blocks=kv_cache_config.num_blocks, block_size=block_size, offload_block_size=offload,
                   tier_blocks=tier_bytes // offload_bytes,
                   token_budget=vllm_config.scheduler_config.max_num_batched_tokens,
-                  policy=extra.get("policy", "lru"), num_workers=vllm_config.parallel_config.world_size)
+                  policy=extra.get("policy", "lru"), num_workers=vllm_config.parallel_config.world_size,
+                  groups=groups)
 
 
-def neutral_output(so: Any) -> SchedulerOutput:
-    """vLLM's SchedulerOutput as ours: running (and resumed) requests first, then new ones."""
-    cached = so.scheduled_cached_reqs
-    scheduled = []
-    for req_id, new_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
-        resumed = req_id in cached.resumed_req_ids
-        ids = tuple(new_ids[0]) if new_ids is not None else None
-        scheduled.append(ScheduledRequest(req_id, "resumed" if resumed else "running", ids if resumed else ids or None,
-                                          computed, so.num_scheduled_tokens[req_id]))
-    for new in so.scheduled_new_reqs:
-        scheduled.append(ScheduledRequest(new.req_id, "new", tuple(new.block_ids[0]), new.num_computed_tokens,
-                                          so.num_scheduled_tokens[new.req_id]))
-    return SchedulerOutput(0, tuple(scheduled), frozenset(so.preempted_req_ids or ()),
-                           frozenset(so.finished_req_ids))
+class Tables:
+    """vLLM's block ids (a list per KV cache group) in the connector's form: one table per group in a hybrid
+    model, else the one table; vLLM's null block as ``NULL_BLOCK`` wherever a sliding window may put it."""
+
+    def __init__(self, config: Config) -> None:
+        self.hybrid = len(config.groups) > 1
+        self.windowed = any(g.window is not None for g in config.groups)
+
+    def _table(self, ids: Any) -> tuple[int, ...]:
+        return tuple(NULL_BLOCK if b == VLLM_NULL_BLOCK else b for b in ids) if self.windowed else tuple(ids)
+
+    def of(self, block_ids: Any) -> Any:
+        """Whole tables: a tuple of lists per group (hybrid), or a list."""
+        if self.hybrid:
+            return tuple(list(self._table(ids)) for ids in block_ids)
+        return list(self._table(block_ids[0]))
+
+    def scheduled(self, req_id: str, kind: Any, ids: Any, computed: int, scheduled: int) -> ScheduledRequest:
+        """One request of a batch; ``ids`` (a list per group) is None for a running request without new blocks."""
+        if self.hybrid:
+            group_ids = tuple(self._table(g) for g in ids) if ids is not None else None
+            return ScheduledRequest(req_id, kind, None, computed, scheduled, group_ids)
+        table = self._table(ids[0]) if ids is not None else None
+        if kind == "running":
+            table = table or None  # None: no new blocks this step
+        return ScheduledRequest(req_id, kind, table, computed, scheduled)
+
+    def batch(self, so: Any) -> SchedulerOutput:
+        """vLLM's SchedulerOutput as ours: running (and resumed) requests first, then new ones."""
+        cached = so.scheduled_cached_reqs
+        scheduled = [self.scheduled(req_id, "resumed" if req_id in cached.resumed_req_ids else "running", ids, computed,
+                                    so.num_scheduled_tokens[req_id])
+                     for req_id, ids, computed in zip(cached.req_ids, cached.new_block_ids,
+                                                      cached.num_computed_tokens)]
+        scheduled += [self.scheduled(new.req_id, "new", new.block_ids, new.num_computed_tokens,
+                                     so.num_scheduled_tokens[new.req_id]) for new in so.scheduled_new_reqs]
+        return SchedulerOutput(0, tuple(scheduled), frozenset(so.preempted_req_ids or ()),
+                               frozenset(so.finished_req_ids))
 
 
-class KVOffloadConnector(KVConnectorBase_V1):
+class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = config_from_vllm(vllm_config, kv_cache_config)
+        self.tables = Tables(self.config)
         self.offload = OffloadConnector(self.config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.shadow = ShadowMonitor(self.config, self.offload, self._engine_table) if extra.get("verify") else None
@@ -204,12 +256,13 @@ class KVOffloadConnector(KVConnectorBase_V1):
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self.kv_cache_manager = kv_cache_manager
 
-    def _engine_table(self, req_id: str) -> list[int] | None:
-        """The engine's own block table for a request (what the shadow monitor checks tracking against)."""
+    def _engine_table(self, req_id: str) -> BlockIds | None:
+        """The engine's own block tables for a request, in the connector's form (what the shadow monitor checks
+        tracking against); None when the engine has none."""
         if self.kv_cache_manager is None:
             return None
         try:
-            return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+            return cast(BlockIds, self.tables.of(self.kv_cache_manager.get_block_ids(req_id)))
         except (KeyError, IndexError):
             return None
 
@@ -228,7 +281,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
         return answer
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        block_ids, view = list(blocks.get_block_ids()[0]), self._view(request)
+        block_ids, view = self.tables.of(blocks.get_block_ids()), self._view(request)
         self.moved["engine_hit_tokens"] += view.uncommitted_hit  # this admission got its blocks: the hit is used
         view.uncommitted_hit = 0
         self.offload.update_state_after_alloc(view, block_ids, num_external_tokens)
@@ -236,7 +289,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
             self.shadow.alloc(view, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
-        neutral = neutral_output(scheduler_output)
+        neutral = self.tables.batch(scheduler_output)
         plan = self.offload.build_connector_meta(neutral)
         if self.shadow:
             self.shadow.batch(neutral)
@@ -272,12 +325,18 @@ class KVOffloadConnector(KVConnectorBase_V1):
         return {**self.offload.stats(), **self.moved, **verdict}
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls this (``SupportsHMA``) once per finished request, with every group's block ids."""
         view = self.views.pop(request.request_id, None)
         if view is None or request.request_id not in self.offload.requests:  # never looked up: nothing to hold
             return False, None
-        delay = self.offload.request_finished(view, block_ids)
+        tables = self.tables.of(block_ids)
+        delay = self.offload.request_finished(view, tables)
         if self.shadow:
-            self.shadow.finished(view, delay)
+            self.shadow.finished(view, tables, delay)
         return delay, None
 
     def get_kv_connector_stats(self) -> KVOffloadStats | None:
@@ -299,14 +358,20 @@ class KVOffloadConnector(KVConnectorBase_V1):
         return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        for event in self.offload.take_events():
-            hashes = [maybe_convert_block_hash(cast(BlockHash, key)) for key in event.keys]  # keys are vLLM's hashes
-            if event.kind == "stored":
-                yield BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
-                                  block_size=self.config.offload_block_size, lora_id=None, medium=event.medium,
-                                  lora_name=None)
-            else:
-                yield BlockRemoved(block_hashes=hashes, medium=event.medium)
+        """Tier events as vLLM's, one per KV cache group: the block hashes (vLLM's) and the group."""
+        origin, events = self.offload.origin, self.offload.take_events()
+        for event in events:
+            by_group: dict[int, list] = {}
+            for key in event.keys:  # group 0's key is the hash; a later group's was recorded when it was stored
+                block_hash, group = origin.get(key, (key, 0))
+                by_group.setdefault(group, []).append(maybe_convert_block_hash(cast(BlockHash, block_hash)))
+            for group, hashes in by_group.items():
+                if event.kind == "stored":
+                    yield BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                                      block_size=self.config.offload_block_size, lora_id=None, medium=event.medium,
+                                      lora_name=None, group_idx=group)
+                else:
+                    yield BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group)
 
     # ---- worker side ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -341,10 +406,17 @@ class KVOffloadConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self.offload.wait_for_save(self._metadata().plan)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """What vLLM's model runner asks each step: finished frees and loads, and loads that failed as a whole
+        (a hybrid model's: vLLM takes no invalid block ids for several groups)."""
         output = self.offload.get_finished(frozenset(finished_req_ids))
         self.job_results += output.job_results
-        return set(output.finished_sending) or None, set(output.finished_recving) or None
+        return KVConnectorTransferResults(set(output.finished_sending), set(output.finished_recving),
+                                          set(output.failed_recving))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.offload.get_block_ids_with_load_errors()

@@ -1,6 +1,6 @@
 """Connector variants the engine tests load by module path: one whose transfers really fail, one that records
-the KV events it hands vLLM, one with the seed bug (for the shadow monitor and black-box mode to catch); and vLLM's
-OffloadingConnector with transfer failures injected (a known divergence)."""
+the KV events it hands vLLM, one with the seed bug and one that swaps a hybrid model's groups (for the shadow monitor
+and black-box mode to catch); and vLLM's OffloadingConnector with transfer failures injected (a known divergence)."""
 
 from __future__ import annotations
 
@@ -127,3 +127,14 @@ def vllm_offloading_with_failures(config):
     box = vllm_offloading_connector(config)
     return OneResetBetweenSteps(config, box.connector, _ReportsFailures(box.reader), box.vllm,
                                 refuse=box.refuse_next_store)
+
+
+class SwapsGroupsConnector(KVOffloadConnector):
+    """A hybrid model's block tables taken in the wrong group order at admission: loads write the other group's
+    blocks."""
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
+        class Swapped:
+            def get_block_ids(self):
+                return tuple(reversed(blocks.get_block_ids()))
+        super().update_state_after_alloc(request, Swapped(), num_external_tokens)

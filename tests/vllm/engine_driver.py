@@ -11,6 +11,8 @@
   behind its own transfer executor (the environment delays, reorders and fails each worker's transfers
   independently). Their ``ModelRunnerOutput`` are merged by vLLM's own ``KVOutputAggregator``.
 * **Weight updates**: ``reset_prefix_cache(reset_connector=True)`` mid-run.
+* **Hybrid models**: ``windows`` gives the KV cache groups (full attention, sliding windows); vLLM's
+  ``HybridKVCacheCoordinator`` then frees a window's old blocks while requests run.
 
 Everything vLLM-side is vLLM's real class: ``Request`` with a block hasher, ``SchedulerOutput`` from the
 scheduler, ``ModelRunnerOutput``, ``KVConnectorOutput``, ``DraftTokenIds``. The shadow monitor checks the scheduler
@@ -63,8 +65,9 @@ class Worker:
         connector.start_load_kv(None)
         connector.wait_for_save()
         self.move_transfers()
-        sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
-        output = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+        results = connector.get_transfer_results(scheduler_output.finished_req_ids)
+        output = KVConnectorOutput(finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+                                   failed_recving=results.failed_recving,
                                    invalid_block_ids=connector.get_block_ids_with_load_errors(),
                                    kv_connector_worker_meta=connector.build_connector_worker_meta())
         connector.clear_connector_metadata()
@@ -86,11 +89,12 @@ class Engine:
 
     def __init__(self, model: Path, seed: int, *, async_scheduling: bool = False, spec_tokens: int = 0,
                  workers: int = 1, num_blocks: int = 48, tier_bytes: int = 512 << 10, delay: int = 2,
-                 failures: float = 0.2, reorder: bool = True) -> None:
+                 failures: float = 0.2, reorder: bool = True, windows: tuple[int | None, ...] = (None,)) -> None:
         self.rnd = random.Random(seed)
         self.scheduler = make_scheduler(model, num_blocks, "KVOffloadConnector", "kvoffload.impl.vllm_connector",
                                         {"tier_bytes": tier_bytes, "verify": True}, async_scheduling=async_scheduling,
-                                        num_spec_tokens=spec_tokens, world_size=workers, log_stats=True)
+                                        num_spec_tokens=spec_tokens, world_size=workers, log_stats=True,
+                                        windows=windows)
         self.connector = self.scheduler.connector
         self.workers = [Worker(self.scheduler, random.Random(self.rnd.random()), delay, failures, reorder)
                         for _ in range(workers)]

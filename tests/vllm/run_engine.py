@@ -38,6 +38,7 @@ if __name__ == "__main__":
     if config is not None:
         connector = scheduler_connector(llm)
         result["stats"] = connector.stats()
-        result["events"] = [(type(e).__name__, getattr(e, "medium", None)) for e in getattr(connector, "recorded", [])]
+        result["events"] = [(type(e).__name__, getattr(e, "medium", None), getattr(e, "group_idx", None))
+                            for e in getattr(connector, "recorded", [])]
     print("RESULT " + json.dumps(result), flush=True)
     sys.exit(0)

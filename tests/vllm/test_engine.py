@@ -61,9 +61,9 @@ def test_failing_transfers_still_identical(model, expected):
 
 def test_kv_events_carry_medium_cpu(model):
     run = run_engine(model, "tests.vllm.connectors:RecordingEventsConnector", tier_bytes=32 << 20)
-    kinds = {kind for kind, _medium in run["events"]}
+    kinds = {kind for kind, _medium, _group in run["events"]}
     assert "BlockStored" in kinds
-    assert {medium for _kind, medium in run["events"]} == {"CPU"}
+    assert {medium for _kind, medium, _group in run["events"]} == {"CPU"}
 
 
 def test_shadow_monitor_agrees_with_a_correct_connector(model, expected):
@@ -87,17 +87,30 @@ def test_bad_configuration_is_one_clear_error_at_start_up(model):
     assert "unknown kv_connector_extra_config keys ['tier_size']" in done.stderr
 
 
-def test_a_sliding_window_model_runs_with_the_hybrid_manager_off(tmp_path):
-    """A hybrid model (Gemma-3 style: sliding-window and full-attention layers). Alone, vLLM runs it with two KV
-    cache groups. Our connector does not declare SupportsHMA yet, so vLLM turns its hybrid KV cache manager off and
-    gives every layer full-attention blocks (one group): outputs stay identical and prefixes come back from the
-    tier, but the memory the sliding window would save is spent. (When the connector supports hybrid models, this
-    test asserts two groups with it too.)"""
-    model = build_tiny_gemma3(tmp_path / "tiny-gemma3")
-    alone = run_engine(model, gpu_blocks=96)  # two groups draw on one pool: 1024 tokens need 32 blocks in each
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> Path:
+    return build_tiny_gemma3(tmp_path_factory.mktemp("model") / "tiny-gemma3")
+
+
+HYBRID_RUN = dict(gpu_blocks=96, tier_bytes=32 << 20, offload_block_size=32, verify=True)  # 2 groups share 96
+
+
+def test_a_hybrid_model_runs_with_the_hybrid_manager_on(gemma3):
+    """A hybrid model (Gemma-3 style: sliding-window and full-attention layers). Our connector declares SupportsHMA,
+    so vLLM keeps its hybrid KV cache manager on: two KV cache groups, the sliding window's blocks freed while
+    requests run. Outputs are identical to vLLM alone, prefixes come back from the tier for both groups, KV events
+    name their group, and the shadow monitor (the spec beside the connector, and both against vLLM's own block
+    tables) agrees at every step."""
+    alone = run_engine(gemma3, gpu_blocks=96)
     assert alone["kv_cache_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"]
-    run = run_engine(model, CONNECTOR, gpu_blocks=96, tier_bytes=32 << 20, offload_block_size=32, verify=True)
-    assert run["kv_cache_groups"] == ["FullAttentionSpec"]
+    run = run_engine(gemma3, "tests.vllm.connectors:RecordingEventsConnector", **HYBRID_RUN)
+    assert run["kv_cache_groups"] == alone["kv_cache_groups"]
     assert run["outputs"] == alone["outputs"]
     assert run["stats"]["hit_tokens"] > 0 and run["stats"]["loaded_blocks"] > 0
-    assert run["stats"]["shadow"].startswith("ok:")
+    assert run["stats"]["shadow"].startswith("ok:"), run["stats"]["shadow"]
+    assert {group for kind, _medium, group in run["events"] if kind == "BlockStored"} == {0, 1}
+
+
+def test_shadow_monitor_catches_swapped_groups_inside_the_engine(gemma3):
+    run = run_engine(gemma3, "tests.vllm.connectors:SwapsGroupsConnector", **HYBRID_RUN)
+    assert run["stats"]["shadow"].startswith("DIVERGED"), run["stats"]["shadow"]

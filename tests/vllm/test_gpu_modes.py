@@ -54,6 +54,28 @@ def test_engine_mode(model, scheduling, spec_tokens, workers, seed, record_prope
     assert_nothing_left(engine)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("windows", [(40, None), (None, 24, 56), (40,)], ids=["w40-full", "full-w24-w56", "w40-only"])
+@pytest.mark.parametrize("mode", ["sync", "async-spec3-tp2"])
+def test_hybrid_model(model, mode, windows, seed, record_property):
+    """A hybrid KV cache (vLLM's HybridKVCacheCoordinator: full-attention and sliding-window groups of 16-token
+    blocks, the windows freeing blocks while requests run; or one sliding-window group) in every engine mode."""
+    gpu = mode != "sync"
+    engine = Engine(model, seed, async_scheduling=gpu, spec_tokens=3 * gpu, workers=1 + gpu, windows=windows,
+                    num_blocks=48 * len(windows))
+    engine.run(120)
+    engine.weight_update()
+    engine.run(120)
+    engine.drain()
+    figures = engine.figures()
+    record_property("figures", figures)
+    print(mode, windows, seed, figures)
+    assert figures["shadow"].startswith("ok:"), figures["shadow"]
+    assert figures["hit_tokens"] == figures["engine_connector_hits"]
+    assert figures["stored_blocks"] and figures["loaded_blocks"] and figures["alloc_failures"]
+    assert_nothing_left(engine)
+
+
 def failed_load_engine(model) -> tuple[Engine, str]:
     """Request a's first 64 tokens are in the tier and nowhere else; its load fails, and vLLM (policy "recompute",
     no valid local prefix) frees a's 4 blocks. Request b holds 7 of the 13 blocks and takes one more while the load
