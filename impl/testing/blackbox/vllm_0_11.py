@@ -79,7 +79,8 @@ class Release:
         if status == "preempted":
             vreq.num_computed_tokens = 0
 
-    def blocks(self, vreq: Any, block_ids: list[int], num_cached: int) -> Any:
+    def blocks(self, vreq: Any, tables: list[list[int]], num_cached: int) -> Any:
+        (block_ids,) = tables  # 0.11 has no hybrid models for a connector
         blocks = [KVCacheBlock(b) for b in block_ids]
         for block, block_hash in zip(blocks[:num_cached], vreq.block_hashes):  # the GPU prefix hit
             block.block_hash = make_block_hash_with_group_id(block_hash, 0)
@@ -109,11 +110,18 @@ class Release:
             finished_req_ids=set(out.finished_req_ids), free_encoder_mm_hashes=[],
             structured_output_request_ids={}, grammar_bitmask=None)
 
-    def connector_output(self, sending: set[str], recving: set[str], worker_meta: Any) -> Any:
+    def connector_output(self, sending: set[str], recving: set[str], failed: set[str], worker_meta: Any) -> Any:
         return KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None)
 
     def resets(self, connector: Any) -> bool:
         return False  # 0.11's connectors have no reset_cache
+
+    def hybrid(self, connector: Any) -> bool:
+        return False  # 0.11 has no SupportsHMA
+
+    def request_finished(self, connector: Any, vreq: Any, tables: list[list[int]]) -> bool:
+        (block_ids,) = tables
+        return bool(connector.request_finished(vreq, block_ids)[0])
 
     def create(self, config: Config, name: str, module: str | None, extra: Callable[[int], dict[str, Any]]) -> Any:
         from ..demo import build_tiny_llama  # vLLM's configs are built from a model config

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, supports_hma
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -35,7 +35,9 @@ class OffloadingTransfers:
     A job's CPU chunks hold ``blocks_per_chunk`` GPU blocks each; its GPU blocks fill them in order, the first
     entered at the offset of ``block_indices[0]`` (the first block's index in the request), as vLLM's CPU worker
     copies them. (The chunks need not be consecutive in the request: those already in the tier are skipped.)
-    Its worker asserts that every transfer succeeded, so no failure is ever injected."""
+    In a hybrid model the job lists each KV cache group's blocks in turn (``group_sizes``, ``block_indices`` per
+    group), and the CPU chunks follow in the same order. Its worker asserts that every transfer succeeded, so no
+    failure is ever injected."""
 
     failures, fenced = False, True
 
@@ -46,13 +48,19 @@ class OffloadingTransfers:
         for kind, jobs in (("load", metadata.load_jobs), ("store", metadata.store_jobs)):
             for job_id, job in jobs.items():
                 gpu, tier = (job.dst_spec, job.src_spec) if kind == "load" else (job.src_spec, job.dst_spec)
-                chunks, first = list(map(int, tier.block_ids)), int(gpu.block_indices[0])
-                places = range(first % self.k, first % self.k + len(gpu.block_ids))  # sub-slots, chunk by chunk
-                require(not len(places) or places[-1] // self.k < len(chunks), "TRACK",
-                        f"{kind} job {job_id} of {job.req_id}: {len(places)} GPU blocks need more than its "
-                        f"{len(chunks)} CPU chunks")
-                slots = tuple((chunks[i // self.k], i % self.k) for i in places)
-                yield Transfer(job_id, job.req_id, kind, tuple(map(int, gpu.block_ids)), slots, first)
+                chunks, firsts = list(map(int, tier.block_ids)), tuple(map(int, gpu.block_indices))
+                sizes = list(gpu.group_sizes or [len(gpu.block_ids)])
+                slots: list[tuple[int, int]] = []
+                for g, (size, first) in enumerate(zip(sizes, firsts)):  # each group's blocks fill its own chunks
+                    places = range(first % self.k, first % self.k + size)  # sub-slots, chunk by chunk
+                    needed = -(-places.stop // self.k) if size else 0
+                    require(needed <= len(chunks), "TRACK", f"{kind} job {job_id} of {job.req_id}: the GPU blocks "
+                                                            f"of group {g} need more CPU chunks than the job has left")
+                    slots += [(chunks[i // self.k], i % self.k) for i in places]
+                    chunks = chunks[needed:]
+                groups = tuple(g for g, size in enumerate(sizes) for _ in range(size))
+                yield Transfer(job_id, job.req_id, kind, tuple(map(int, gpu.block_ids)), tuple(slots), firsts,
+                               groups=groups)
 
     def flushes(self, metadata: Any, submitted: dict[int, Transfer]) -> set[int]:
         return set(metadata.jobs_to_flush or ())
@@ -77,25 +85,33 @@ class Release:
         if status == "preempted":
             vreq.num_computed_tokens = 0
 
-    def blocks(self, vreq: Any, block_ids: list[int], num_cached: int) -> Any:
-        blocks = [KVCacheBlock(b) for b in block_ids]
-        for block, block_hash in zip(blocks[:num_cached], vreq.block_hashes):  # the GPU prefix hit
-            block.set_block_hash(make_block_hash_with_group_id(block_hash, 0))
-        return KVCacheBlocks((blocks,))
+    def blocks(self, vreq: Any, tables: list[list[int]], num_cached: int) -> Any:
+        groups = []
+        for g, block_ids in enumerate(tables):
+            blocks = [KVCacheBlock(b) for b in block_ids]
+            for block in blocks:
+                block.is_null = block.block_id == 0  # where a sliding window needs no block
+            for block, block_hash in zip(blocks[:num_cached], vreq.block_hashes):  # the GPU prefix hit
+                if not block.is_null:
+                    block.set_block_hash(make_block_hash_with_group_id(block_hash, g))
+            groups.append(blocks)
+        return KVCacheBlocks(tuple(groups))
 
     def scheduler_output(self, out: SchedulerOutput, vreqs: dict[str, Any]) -> Any:
         new, cached = [], CachedRequestData.make_empty()
         for s in out.scheduled:
             vreq = vreqs[s.req_id]
             vreq.num_computed_tokens, vreq.status = s.num_computed_tokens, RequestStatus.RUNNING
+            tables = s.group_block_ids or (None if s.block_ids is None else (s.block_ids,))
+            block_ids = None if tables is None else tuple([b + NULL_BLOCKS for b in t] for t in tables)
             if s.kind == "new":
-                new.append(NewRequestData.from_request(vreq, ([b + NULL_BLOCKS for b in s.block_ids or ()],)))
+                new.append(NewRequestData.from_request(vreq, block_ids or ([],)))
                 continue
             cached.req_ids.append(s.req_id)
             if s.kind == "resumed":
                 cached.resumed_req_ids.add(s.req_id)
             cached.new_token_ids.append([])
-            cached.new_block_ids.append(None if s.block_ids is None else ([b + NULL_BLOCKS for b in s.block_ids],))
+            cached.new_block_ids.append(block_ids)
             cached.num_computed_tokens.append(s.num_computed_tokens)
             cached.num_output_tokens.append(vreq.num_output_tokens)
         for req_id in out.preempted_req_ids:
@@ -109,12 +125,20 @@ class Release:
             finished_req_ids=set(out.finished_req_ids), free_encoder_mm_hashes=[],
             preempted_req_ids=set(out.preempted_req_ids))
 
-    def connector_output(self, sending: set[str], recving: set[str], worker_meta: Any) -> Any:
+    def connector_output(self, sending: set[str], recving: set[str], failed: set[str], worker_meta: Any) -> Any:
         return KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None,
-                                 kv_connector_worker_meta=worker_meta)
+                                 failed_recving=failed, kv_connector_worker_meta=worker_meta)
 
     def resets(self, connector: Any) -> bool:
         return type(connector).reset_cache is not KVConnectorBase_V1.reset_cache
+
+    def hybrid(self, connector: Any) -> bool:
+        return supports_hma(connector)
+
+    def request_finished(self, connector: Any, vreq: Any, tables: list[list[int]]) -> bool:
+        if self.hybrid(connector):
+            return bool(connector.request_finished_all_groups(vreq, tuple(tables))[0])
+        return bool(connector.request_finished(vreq, tables[0])[0])
 
     def create(self, config: Config, name: str, module: str | None, extra: Callable[[int], dict[str, Any]]) -> Any:
         from ..demo import build_tiny_llama  # vLLM's configs are built from a model config
@@ -122,7 +146,8 @@ class Release:
 
         model = build_tiny_llama(Path(os.environ.get("KVOFFLOAD_MODEL_DIR", ".cache/tiny-llama")))
         vllm_config, kv_cache_config = make_configs(model, config.num_gpu_blocks + NULL_BLOCKS, name, module, {},
-                                                    block_size=config.block_size)
+                                                    block_size=config.block_size,
+                                                    windows=tuple(g.window for g in config.groups))
         block_bytes = kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes * len(LAYERS)
         assert vllm_config.kv_transfer_config is not None  # make_configs always names the connector
         vllm_config.kv_transfer_config.kv_connector_extra_config.update(extra(block_bytes))
