@@ -38,11 +38,14 @@ class Group:
             return 0
         return max(0, num_tokens - self.window + 1) // block_size
 
+    def blocks_read(self, num_tokens: int, block_size: int) -> range:
+        """The blocks a request that has computed ``num_tokens`` tokens still reads (the last one may be partial):
+        all of them for full attention, those from the first the window has not skipped for a sliding window."""
+        return range(self.skipped_blocks(num_tokens, block_size), -(-num_tokens // block_size))
+
     def needed_for_hit(self, end: int, block_size: int) -> range:
         """The blocks a hit that ends at block ``end`` needs from this group."""
-        if self.window is None:
-            return range(0, end)
-        return range(max(0, end - -(-(self.window - 1) // block_size)), end)
+        return self.blocks_read(end * block_size, block_size)
 
 
 FULL_ATTENTION = (Group(),)  # the groups of a model without sliding windows

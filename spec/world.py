@@ -557,7 +557,8 @@ class World:
 
     def _allocate_with_hits(self, req: Request, budget: int, hit: list[list[int]], num_external: int) -> bool:
         """Admission: take the hits, allocate the rest of the first step, tell the connector. False: no room. A
-        load fills only the blocks the hit needs: a sliding window's older ones stay NULL_BLOCK, as in vLLM."""
+        load fills only the blocks the hit needs: those a sliding window skips once the hit's tokens are computed
+        stay NULL_BLOCK, as in vLLM (a hit may end inside a block)."""
         bs = self.config.block_size
         num_local = len(hit[0]) * bs
         first_step = num_external if num_external else min(req.num_tokens - num_local, budget)
@@ -565,7 +566,7 @@ class World:
         self.pool.take(held)
         req.tables, req.left_behind = [list(table) for table in hit], {}
         for table, group in zip(req.tables, self.groups):
-            start = group.needed_for_hit((num_local + num_external) // bs, bs).start if num_external else 0
+            start = group.skipped_blocks(num_local + num_external, bs) if num_external else 0
             table += [NULL_BLOCK] * (start - len(table))
         if self._grow(req, num_local + first_step) is None:
             self.pool.release(held)
@@ -751,14 +752,21 @@ class World:
             self._release(self.delayed.pop(req_id).blocks)
 
     def _load_landed(self, req: Request, failed: bool = False) -> None:
-        """The request resumes from the longest prefix every group can still supply: up to the first block a
-        failed load left invalid, or (a sliding window) short of the blocks it needs; from scratch when its load
-        failed as a whole (``failed_recving``: vLLM sets its computed tokens to 0)."""
+        """The request resumes where its hit ends if every group has what it reads there; else from the longest
+        prefix every group can still supply: up to the first block a failed load left invalid, or (a sliding
+        window) short of the blocks it needs; from scratch when its load failed as a whole (``failed_recving``: vLLM
+        sets its computed tokens to 0)."""
         bs, bad = self.config.block_size, self.bad_blocks & set(req.blocks)
         self.bad_blocks -= set(req.blocks)
-        done = 0 if failed else bs * longest_hit(
-            self.groups, bs, req.load_target // bs,
-            lambda g, i: req.tables[g][i] not in bad and req.tables[g][i] != NULL_BLOCK)
+
+        def valid(g: int, i: int) -> bool:
+            return req.tables[g][i] not in bad and req.tables[g][i] != NULL_BLOCK
+        if failed:
+            done = 0
+        elif all(valid(g, i) for g, group in enumerate(self.groups) for i in group.blocks_read(req.load_target, bs)):
+            done = req.load_target
+        else:
+            done = bs * longest_hit(self.groups, bs, req.load_target // bs, valid)
         self.stats["blocks_loaded"] += (done - req.num_computed_tokens) // bs
         req.num_computed_tokens = req.num_final_tokens = done
         req.state = State.WAITING

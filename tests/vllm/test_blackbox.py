@@ -103,6 +103,22 @@ def test_connectors_conform_on_hybrid_models(factory, name, record_property):
     assert coverage.invariants["SRC"] and coverage.invariants["CONTENT"] and coverage.invariants["TRACK"]
 
 
+def test_a_hit_that_ends_inside_a_block_leaves_the_window_its_null_blocks():
+    """vLLM's connector may end a hit inside a block (7 of 8 tokens here). vLLM's engine then skips a window's blocks
+    by the hit's tokens (the null block at position 0 of the window's table) and the connector loads from the first
+    block that is neither null nor cached. The world rounded the hit down to whole blocks and handed the connector a
+    real block there, which it loaded from a chunk it had never stored: AssertionError in its CPU manager. Found by
+    the nightly hunt; the hit must land whole."""
+    machine = make_machine(vllm_offloading, HYBRID["w6-full-async-spec2"])()
+    machine.add_requests(batch=[([0], 1), ([0, 1, 0, 1, 2, 2, 0, 0, 0], 1)])
+    machine.step(n=2)
+    machine.abort(i=0)
+    machine.add_requests(batch=[([0], 1), ([0, 1, 0, 1, 2, 2, 0, 0], 1)])
+    machine.teardown()  # drains: the last request is admitted with a 7-token tier hit
+    world = machine.subject
+    assert world.stats["tier_hit_tokens"] == 7 and world.stats["blocks_loaded"] == 3
+
+
 class SwapsGroups(ChangedReader):
     """Files a job's blocks under the other group (a connector whose group ids are swapped in one job)."""
 
@@ -125,10 +141,19 @@ def test_divergences_are_judged_by_this_spec_and_this_vllm():
     assert vllm.__version__.startswith(tuple(DIVERGENCES["vllm"]))
 
 
+def present_here(divergence) -> bool:
+    """Whether the installed vLLM has the divergence (an entry may name the releases it is in; default: all)."""
+    return vllm.__version__.startswith(tuple(divergence.get("releases", DIVERGENCES["vllm"])))
+
+
 @pytest.mark.parametrize("divergence", DIVERGENCES["divergence"], ids=lambda d: d["id"])
 def test_known_divergence_replays(divergence):
+    """Its program fails as recorded on a release that has it, and passes on one that fixed it."""
     header, program = read_trace(HERE / divergence["trace"])
     assert header["adapter"] == divergence["adapter"] and program
+    if not present_here(divergence):
+        replay(HERE / divergence["trace"])
+        return
     with pytest.raises(Violation) as found:
         replay(HERE / divergence["trace"])
     assert found.value.finding == divergence["finding"]  # the invariant, or RAISED and the exception's type
@@ -136,6 +161,8 @@ def test_known_divergence_replays(divergence):
 
 @pytest.mark.parametrize("divergence", DIVERGENCES["divergence"], ids=lambda d: d["id"])
 def test_known_divergence_is_found_from_scratch(divergence):
+    if not present_here(divergence):
+        pytest.skip(f"vLLM {vllm.__version__} fixed {divergence['id']} (its program passes: see the replay test)")
     scenario = scenario_from(read_trace(HERE / divergence["trace"])[0])
     with pytest.raises(Violation) as found:
         run_conformance(resolve(divergence["adapter"]), scenario)
