@@ -15,7 +15,8 @@ Scheduler side
   * a transfer is complete once every worker reported it (tensor parallelism: each holds a shard of every block);
     it succeeded only if every worker's part did. A failed load makes its entries stale (never offered again).
   * reset_cache (a weight update): every entry goes stale; stores in flight never become loadable.
-  * a hybrid model (GROUPS, several KV cache groups): one block table per group, and each group's blocks are keyed
+  * a hybrid model (GROUPS, several KV cache groups, or one sliding window): one block table per group (a single
+    group's comes as one table), and each group's blocks are keyed
     by hash and group (``group_key``). A hit must be usable by every group (``groups.longest_hit``: a sliding
     window needs only its last blocks, and its older positions are never loaded); a store skips the blocks a window
     may have freed; the stores that still read such blocks are flushed before the forward pass, since the engine
@@ -25,7 +26,8 @@ Worker side
   * loads are submitted in start_load_kv, stores in wait_for_save (after the forward pass wrote the blocks);
   * preemption flushes the preempted requests' stores before their blocks are reused;
   * a delayed request drains: it is reported in finished_sending once its transfers completed;
-  * a failed load's GPU blocks are reported by get_block_ids_with_load_errors.
+  * a failed load's GPU blocks are reported by get_block_ids_with_load_errors; with several KV cache groups, its
+    request is reported in ``failed_recving`` instead (a block id does not say which group's block failed).
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ class SpecConnector:
         flush: set[int] = set()
         for s in scheduler_output.scheduled:
             req = self._known(s.req_id)
-            flush |= self._stores_outside_windows(s.req_id, s.num_computed_tokens)
+            flush |= self._reading_left_behind(s.req_id, s.num_computed_tokens)
             if s.kind == "running":
                 for table, new in zip(self.block_tables[s.req_id], self._tables(s.group_block_ids or s.block_ids)):
                     table += new
@@ -142,7 +144,7 @@ class SpecConnector:
         meta.flush = frozenset(flush)
         return meta
 
-    def _stores_outside_windows(self, req_id: str, computed: int) -> set[int]:
+    def _reading_left_behind(self, req_id: str, computed: int) -> set[int]:
         """Stores of this request that read a block its sliding windows left behind: the engine may have freed it
         this step (it does not say), so they finish before the forward pass writes anything."""
         tables, bs = self.block_tables.get(req_id, []), self.config.block_size
