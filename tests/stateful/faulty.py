@@ -170,7 +170,7 @@ class StoresAfterTheWindowFreed(SpecConnector):
     """A deferred store of a sliding-window block: the window moved past it, the engine freed the block (without
     telling) and reallocated it, and the store, not fenced, reads another request's bytes."""
 
-    def _stores_outside_windows(self, req_id, computed):
+    def _reading_left_behind(self, req_id, computed):
         return set()  # the bug: no fence
 
 
