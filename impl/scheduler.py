@@ -84,7 +84,7 @@ class OffloadScheduler:
         first = j = num_computed_tokens // size
         limit = (request.num_tokens - 1) // size
         if self.windowed:
-            j = self._hybrid_hit(offload_keys(hashes, k, 0, limit), first)
+            j = self._windowed_hit(offload_keys(hashes, k, 0, limit), first)
         else:
             key = key_index(first, k)  # then each offload block's key is k hashes further
             while j < limit and self.tier.is_ready(hashes[key]):
@@ -93,7 +93,7 @@ class OffloadScheduler:
             return 0, False
         return j * size - num_computed_tokens, True
 
-    def _hybrid_hit(self, keys: list[int], first: int) -> int:
+    def _windowed_hit(self, keys: list[int], first: int) -> int:
         """The furthest offload block a hit can end at, blocks before ``first`` being on the GPU: every group finds
         what it reads there in the tier (full attention: every block from ``first``; a window: its last ones)."""
         size = self.offload_size

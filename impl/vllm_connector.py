@@ -151,9 +151,9 @@ VLLM_NULL_BLOCK = 0  # vLLM's null block: where a sliding window freed a block, 
 def group_of(spec: Any, index: int) -> Group:
     """A KV cache group's spec as our ``Group``: full attention (MLA included) or a sliding window."""
     specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-    kinds = {Group(s.sliding_window) if isinstance(s, SlidingWindowSpec) else Group()
-             for s in specs if isinstance(s, (SlidingWindowSpec, FullAttentionSpec))}
-    if len(kinds) != 1 or len(specs) != sum(isinstance(s, (SlidingWindowSpec, FullAttentionSpec)) for s in specs):
+    attention = all(isinstance(s, (SlidingWindowSpec, FullAttentionSpec)) for s in specs)
+    kinds = {Group(s.sliding_window) if isinstance(s, SlidingWindowSpec) else Group() for s in specs}
+    if not attention or len(kinds) != 1:
         raise ConfigError(f"KV cache group {index} is {type(spec).__name__}: KVOffloadConnector handles full-attention "
                           f"and sliding-window groups only (not Mamba, chunked-local or cross attention)")
     return kinds.pop()
@@ -196,7 +196,7 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
                   groups=groups)
 
 
-class Tables:
+class BlockTables:
     """vLLM's block ids (a list per KV cache group) in the connector's form: one table per group in a hybrid
     model, else the one table; vLLM's null block as ``NULL_BLOCK`` wherever a sliding window may put it."""
 
@@ -240,7 +240,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = config_from_vllm(vllm_config, kv_cache_config)
-        self.tables = Tables(self.config)
+        self.tables = BlockTables(self.config)
         self.offload = OffloadConnector(self.config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.shadow = ShadowMonitor(self.config, self.offload, self._engine_table) if extra.get("verify") else None
