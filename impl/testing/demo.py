@@ -220,19 +220,28 @@ def render(summary: Summary, title: str) -> str:
     return "\n".join(lines)
 
 
+# --model: how to build it, what the title calls it, GPU blocks (a hybrid model's two groups draw on one pool)
+MODELS = {"llama": (build_tiny_llama, "tiny Llama", 48),
+          "gemma3": (build_tiny_gemma3, "tiny Gemma-3 (hybrid: 2 KV cache groups)", 96)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--tier-mib", type=int, default=64)
-    parser.add_argument("--model-dir", type=Path, default=Path(".cache/tiny-llama"))
+    parser.add_argument("--model", choices=MODELS, default="llama",
+                        help="gemma3: a hybrid model (sliding-window and full-attention layers), which vLLM runs with "
+                             "its hybrid KV cache manager: two KV cache groups")
+    parser.add_argument("--model-dir", type=Path, help="where the tiny model is built (default .cache/tiny-MODEL)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     print("building the tiny model and the engine without the connector...", file=sys.stderr, flush=True)
-    model = build_tiny_llama(args.model_dir)
+    build, name, num_gpu_blocks = MODELS[args.model]
+    model = build(args.model_dir or Path(f".cache/tiny-{args.model}"))
     prompts = workload(args.requests, seed=0)
-    llm = make_llm(model, log_stats=True)
+    llm = make_llm(model, num_gpu_blocks=num_gpu_blocks, log_stats=True)
     warm_up(llm, args.requests, args.max_tokens)
     without = measure(llm, prompts, args.rounds, args.max_tokens)
     del llm
@@ -240,13 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     print("the same workload with the offloading connector...", file=sys.stderr, flush=True)
     llm = make_llm(model, connector_config(tier_bytes=args.tier_mib << 20, offload_block_size=BLOCK_SIZE,
                                            verify=True),  # the spec checks every step beside the connector
-                   log_stats=True)
+                   num_gpu_blocks=num_gpu_blocks, log_stats=True)
     warm_up(llm, args.requests, args.max_tokens)
     before = scheduler_connector(llm).stats()
     with_ = measure(llm, prompts, args.rounds, args.max_tokens)
     stats = counters_since(before, scheduler_connector(llm).stats())
     summary = summarize(without, with_, stats, prompt_tokens=args.rounds * sum(map(len, prompts)))
-    title = (f"kvoffload demo — vLLM (CPU), tiny Llama, {args.requests} requests x {args.rounds} rounds, "
+    title = (f"kvoffload demo — vLLM (CPU), {name}, {args.requests} requests x {args.rounds} rounds, "
              f"GPU prefix cache reset between rounds ({time.perf_counter() - start:.0f} s in all)")
     print("\n" + render(summary, title))
     return 0 if summary.ok else 1
