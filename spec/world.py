@@ -755,7 +755,8 @@ class World:
         """The request resumes where its hit ends if every group has what it reads there; else from the longest
         prefix every group can still supply: up to the first block a failed load left invalid, or (a sliding
         window) short of the blocks it needs; from scratch when its load failed as a whole (``failed_recving``: vLLM
-        sets its computed tokens to 0)."""
+        sets its computed tokens to 0), or when that prefix would have it compute into the null blocks the hit left
+        in a window's table."""
         bs, bad = self.config.block_size, self.bad_blocks & set(req.blocks)
         self.bad_blocks -= set(req.blocks)
 
@@ -767,6 +768,8 @@ class World:
             done = req.load_target
         else:
             done = bs * longest_hit(self.groups, bs, req.load_target // bs, valid)
+            if any(NULL_BLOCK in table[done // bs:] for table in req.tables):
+                done = 0  # the hit left a window's null blocks where the request would compute again: start over
         self.stats["blocks_loaded"] += (done - req.num_computed_tokens) // bs
         req.num_computed_tokens = req.num_final_tokens = done
         req.state = State.WAITING

@@ -215,3 +215,29 @@ def test_a_request_whose_last_token_is_in_flight_at_a_weight_update_samples_it_a
     world.run_to_completion()  # PROGRESS
     assert req.state.value == "finished" and req.num_output_tokens == 2
     world.drain()
+
+
+def test_a_failed_load_behind_a_window_starts_the_request_over():
+    """Found by the nightly soak in hybrid-w4-only-delayed-failures (a model whose layers all slide): r6 was admitted
+    with a GPU hit of one block and a tier hit up to token 12, so its window's positions 1-3 were the null block;
+    its load failed, and the world resumed it from the valid prefix (2 tokens), where the forward pass wrote into
+    the null block (BlockIdError). Fixed: a valid prefix that would have the request compute into null blocks
+    the hit left in a window's table starts the request over, as a load with no valid prefix does."""
+    from kvoffload.spec.kit import make_machine
+
+    from .scenarios import HYBRID_SCENARIOS
+
+    state = make_machine(SpecConnector, HYBRID_SCENARIOS["hybrid-w4-only-delayed-failures"])()
+    state.add_requests(batch=[([0], 1)])
+    state.add_requests(batch=[([0, 0, 0, 0, 0, 0, 0, 0], 5), ([0, 1, 0, 1, 2, 2, 0, 0, 0, 0, 0, 0], 3),
+                              ([1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0], 1),
+                              ([1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 0, 1, 0], 1)])
+    state.step(n=1)
+    state.add_requests(batch=[([0, 0, 0, 0], 1)])
+    state.step(n=6)
+    state.abort(i=0)
+    state.advance_transfers(picks=[(0, False)])
+    state.add_requests(batch=[([1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 0, 1, 0], 1)])
+    state.fail_next_transfer(worker=0)
+    state.teardown()  # drains: the failed load lands
+    assert state.subject.stats["failed_transfers"]
