@@ -299,3 +299,16 @@ def test_a_request_aborted_before_its_lookup_is_finished_for_the_connector():
     state.step(n=1)
     state.invariants_hold()
     state.teardown()
+
+
+def test_the_hunt_runs_hybrid_models(tmp_path, capsys):
+    """``python -m kvoffload.impl.testing.blackbox --groups 4,full``: the hunt's grid over a model of two KV cache
+    groups, one line per configuration (2 programs each here; the hunt's default is 150 in the nightly profile)."""
+    from kvoffload.impl.testing.blackbox.__main__ import groups_of, main
+
+    assert groups_of("4,full") == (Group(4), Group())
+    assert main(["--profile", "pr", "--examples", "2", "--chunk-blocks", "2", "--groups", "4,full",
+                 "--traces", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "36 of 36 configurations passed"
+    assert all("groups=4,full: ok" in line for line in lines[:-1]) and len(lines) == 37

@@ -1,14 +1,21 @@
 """The hunt: a vLLM connector through the kit over a grid of configurations, one line per configuration.
 
-``python -m kvoffload.impl.testing.blackbox [--connector vllm|ours] [--examples N]``, against the installed vLLM."""
+``python -m kvoffload.impl.testing.blackbox [--connector vllm|ours] [--examples N] [--groups 4,full ...]``, against
+the installed vLLM. ``--groups`` runs models of several KV cache groups: each argument lists a model's groups, a
+sliding window's size in tokens or ``full``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvoffload.spec import Config, Violation
+from kvoffload.spec import Config, Group, Violation
 
 from . import kvoffload_connector, vllm_offloading_connector
+
+
+def groups_of(spec: str) -> tuple[Group, ...]:
+    """``"4,full"`` -> ``(Group(4), Group())``: a model's KV cache groups, a window in tokens or full attention."""
+    return tuple(Group() if part == "full" else Group(int(part)) for part in spec.split(","))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,15 +33,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="nightly", help="Hypothesis profile (pr, nightly, mutation)")
     parser.add_argument("--examples", type=int, default=150, help="programs per configuration")
     parser.add_argument("--chunk-blocks", type=int, nargs="+", default=[1, 2, 3], help="GPU blocks per CPU chunk")
+    parser.add_argument("--groups", type=groups_of, nargs="+", default=[groups_of("full")],
+                        help="models to run, each its KV cache groups: e.g. full (the default), 4,full, 4")
     parser.add_argument("--traces", type=Path, default=Path("kvoffload-traces"))
     args = parser.parse_args(argv)
     logging.getLogger("vllm").setLevel(logging.ERROR)  # the hunt's own lines, not vLLM's warnings
     factory = vllm_offloading_connector if args.connector == "vllm" else kvoffload_connector
-    grid = list(itertools.product(args.chunk_blocks, (0, 1, 3), (1, 3, 8), (True, False), ("lru", "arc")))
+    grid = list(itertools.product(args.groups, args.chunk_blocks, (0, 1, 3), (1, 3, 8), (True, False),
+                                  ("lru", "arc")))
     findings: dict[str, list[str]] = {}  # by kind: safety, liveness, connector error, ...
-    for n, (k, delay, tier, prefix_caching, policy) in enumerate(grid, 1):
-        config = Config(num_gpu_blocks=18, offload_block_size=2 * k, tier_blocks=tier, prefix_caching=prefix_caching,
-                        policy=policy)
+    for n, (groups, k, delay, tier, prefix_caching, policy) in enumerate(grid, 1):
+        config = Config(num_gpu_blocks=9 * (len(groups) + 1), offload_block_size=2 * k, tier_blocks=tier,
+                        prefix_caching=prefix_caching, policy=policy, groups=groups)  # groups share the GPU pool
         scenario, start = Scenario(config, delay=delay, failures=args.connector == "ours"), time.perf_counter()
         trace = args.traces / f"{args.connector}-{n}.jsonl"
         try:
