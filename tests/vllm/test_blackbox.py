@@ -312,3 +312,34 @@ def test_the_hunt_runs_hybrid_models(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1] == "36 of 36 configurations passed"
     assert all("groups=4,full: ok" in line for line in lines[:-1]) and len(lines) == 37
+
+
+def test_a_store_of_a_block_the_window_just_freed_is_judged_where_the_window_freed_it():
+    """Found by pr in the first hybrid black-box run: vLLM's connector stores a window's block the engine freed this
+    very step (fenced until reuse), and the black box called it TRACK because the request's table holds the null
+    block there. The world now remembers where a window freed each block (``Request.left_behind``)."""
+    state = make_machine(vllm_offloading, HYBRID["w4-full"])()
+    state.add_requests(batch=[([0], 1)])
+    state.abort(i=0)
+    state.add_requests(batch=[([0], 1), ([0, 1, 0, 1, 2, 2, 0], 2), ([0], 1)])
+    state.abort(i=0)
+    state.refuse_next_store(i=0)
+    state.step(n=2)  # the refused request's late store reads a block its window has just freed
+    state.invariants_hold()
+    state.teardown()
+    assert state.subject.stats["window_freed_blocks"]
+
+
+def test_our_connectors_flush_list_is_honoured_in_black_box_mode():
+    """Found by pr in the first hybrid black-box run of our connector: the black box's reader flushed only the
+    stores of preempted requests, not the plan's flush list (stores reading blocks a window left behind), so a
+    freed block was reused under an unexecuted store (SRC)."""
+    state = make_machine(kvoffload_connector, HYBRID["k2-w5-full-delayed-failures"])()
+    for _ in range(3):
+        state.add_requests(batch=[([0], 1)])
+        state.abort(i=0)
+    state.add_requests(batch=[([0], 1), ([0, 0, 0, 0, 0, 0, 0, 0], 2)])
+    state.abort(i=0)
+    state.add_requests(batch=[([0, 0, 0], 1)])
+    state.teardown()
+    assert state.subject.stats["window_freed_blocks"]
