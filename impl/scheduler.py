@@ -53,7 +53,7 @@ class OffloadScheduler:
         self.k, self.block_size, self.offload_size = config.k, config.block_size, config.offload_block_size
         self.tier = OffloadTier(config.tier_blocks, config.policy)
         self.windows = [group.window for group in config.groups]  # None: full attention
-        self.hybrid = len(self.windows) > 1  # block ids come one table per group
+        self.hybrid = config.hybrid  # block ids come one table per group
         self.windowed = any(w is not None for w in self.windows)  # a window frees blocks while requests run
         self.requests: dict[str, RequestState] = {}
         self.num_workers = config.num_workers

@@ -31,7 +31,7 @@ class ShadowMonitor:
         self.spec = SpecConnector(config)
         self.production = production
         self.engine_tables = engine_tables  # request id -> the engine's block tables (None: it has none)
-        self.grouped = len(config.groups) > 1  # tables come one per KV cache group
+        self.grouped = config.hybrid  # tables come one per KV cache group
         self.steps = self.checks = 0
         self.divergences: list[str] = []
         self.load_failed: set[str] = set()  # requests whose load failed, not allocated since: vLLM may free them

@@ -201,7 +201,7 @@ class BlockTables:
     model, else the one table; vLLM's null block as ``NULL_BLOCK`` wherever a sliding window may put it."""
 
     def __init__(self, config: Config) -> None:
-        self.hybrid = len(config.groups) > 1
+        self.hybrid = config.hybrid
         self.windowed = any(g.window is not None for g in config.groups)
 
     def _table(self, ids: Any) -> tuple[int, ...]:

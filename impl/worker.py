@@ -25,7 +25,6 @@ class OffloadWorker:
         self.draining: set[str] = set()  # finished requests whose transfers have not all completed
         self.load_errors: set[int] = set()  # GPU blocks of failed loads, not yet reported
         self.bytes = {"store": 0, "load": 0}
-        self.several_groups = len(config.groups) > 1  # a failed load is reported by request, not by block ids
 
     def register_kv_caches(self, kv: Any, executor: Any = None) -> None:
         """``kv`` has ``caches`` (name -> tensor) and ``layout``; ``executor`` defaults to CUDA streams when the
@@ -74,7 +73,7 @@ class OffloadWorker:
             self._forget(transfer)
             if transfer.kind == "load":
                 recving.add(transfer.req_id)
-                if not success and self.several_groups:  # vLLM takes no block ids then: the whole request
+                if not success and self.config.hybrid:  # vLLM takes no block ids then: the whole request
                     failed_recving.add(transfer.req_id)
                 elif not success:
                     self.load_errors.update(transfer.gpu_blocks)

@@ -124,7 +124,7 @@ class ReferenceConnector:
 
     def _tables(self, block_ids: BlockIds | tuple[tuple[int, ...], ...] | tuple[int, ...]) -> list[list[int]]:
         """One table per group: a hybrid model's ids come a list per group."""
-        if len(self.groups) > 1:
+        if self.config.hybrid:
             return [list(table) for table in block_ids]  # type: ignore[arg-type]
         return [list(block_ids)]  # type: ignore[arg-type]
 
@@ -319,7 +319,7 @@ class ReferenceConnector:
                 recving.add(transfer.req_id)
                 if success:
                     continue
-                if len(self.groups) > 1:  # with several groups, a failed load is reported by its request
+                if self.config.hybrid:  # with several groups, a failed load is reported by its request
                     failed_recving.add(transfer.req_id)
                 else:
                     self._load_errors.update(b for b, _key, _sub in transfer.copies)
@@ -334,7 +334,7 @@ class ReferenceConnector:
     # ================= for the conformance kit =================
     def observe(self) -> Observation:
         return Observation(
-            tracked={r: tuple(map(tuple, t)) if len(self.groups) > 1 else tuple(t[0])
+            tracked={r: tuple(map(tuple, t)) if self.config.hybrid else tuple(t[0])
                      for r, t in self._block_tables.items()},
             cursors=dict(self._cursors),
             tier=tuple((key, slot.ready, slot.refs) for key, slot in self.tier.slots.items()),

@@ -80,6 +80,12 @@ class Config:
             raise ConfigError(f"unknown eviction policy {self.policy!r}; known: 'lru', 'arc'")
 
     @property
+    def hybrid(self) -> bool:
+        """Several KV cache groups: block ids come one table per group, and a failed load is reported by request
+        (a block id alone does not say which group's block failed)."""
+        return len(self.groups) > 1
+
+    @property
     def k(self) -> int:
         """GPU blocks per offload block."""
         return self.offload_block_size // self.block_size

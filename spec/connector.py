@@ -104,7 +104,7 @@ class SpecConnector:
         """Block ids as the engine hands them (one sequence per group in a hybrid model): one table per group."""
         if block_ids is None:
             return [[] for _ in self.config.groups]
-        if len(self.config.groups) > 1:
+        if self.config.hybrid:
             return [list(cast(Sequence[int], t)) for t in block_ids]
         return [list(cast(Sequence[int], block_ids))]
 
@@ -262,7 +262,7 @@ class SpecConnector:
         results = self.executor.poll()
         done = [self.submitted.pop(job_id) for job_id, _success in results]
         failed = [t for t, (_id, success) in zip(done, results) if t.kind == "load" and not success]
-        if len(self.config.groups) > 1:  # a block id does not say which group's block failed: the whole request
+        if self.config.hybrid:  # a block id does not say which group's block failed: the whole request
             failed_recving = {t.req_id for t in failed}
         else:  # its blocks: the engine keeps the valid prefix
             failed_recving = set()
@@ -279,7 +279,7 @@ class SpecConnector:
     # ---- for the kit ---------------------------------------------------------------------------------------
     def observe(self) -> Observation:
         return Observation(
-            tracked={r: tuple(map(tuple, t)) if len(self.config.groups) > 1 else tuple(t[0])
+            tracked={r: tuple(map(tuple, t)) if self.config.hybrid else tuple(t[0])
                      for r, t in self.block_tables.items()},
             cursors=dict(self.cursors),
             tier=self.tier.view(),

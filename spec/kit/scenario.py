@@ -31,7 +31,7 @@ class Scenario:
     def hybrid(self) -> bool:
         """The model has several KV cache groups (sliding-window and full-attention layers): without GROUPS, vLLM
         turns its hybrid manager off. (A model of one attention kind keeps its one group, sliding window or not.)"""
-        return len(self.config.groups) > 1
+        return self.config.hybrid
 
     def __str__(self) -> str:
         c = self.config

@@ -309,13 +309,13 @@ class BlackBox:
         results = self.executor.poll()
         done = [self.submitted.pop(job_id) for job_id, _success in results]
         failed = [t for t, (_id, success) in zip(done, results) if t.kind == "load" and not success]
-        several_groups = len(self.config.groups) > 1  # vLLM's worker then reports the request, not its blocks
-        self.load_errors |= set() if several_groups else {b - NULL_BLOCKS for t in failed for b in t.gpu_blocks}
+        hybrid = self.config.hybrid  # vLLM's worker then reports the request, not its blocks
+        self.load_errors |= set() if hybrid else {b - NULL_BLOCKS for t in failed for b in t.gpu_blocks}
         busy = {t.req_id for t in self.submitted.values()}
         sending = {r for r in self.draining if r not in busy}
         self.draining -= sending
         return WorkerOutput(frozenset(sending), frozenset(t.req_id for t in done if t.kind == "load"), tuple(results),
-                            frozenset(t.req_id for t in failed) if several_groups else frozenset())
+                            frozenset(t.req_id for t in failed) if hybrid else frozenset())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
