@@ -9,6 +9,7 @@ lookup and a few integer comparisons. The cursor never passes the hashes (the ti
 from __future__ import annotations
 
 import itertools
+import math
 
 from attrs import define, field
 
@@ -53,8 +54,13 @@ class OffloadScheduler:
         self.k, self.block_size, self.offload_size = config.k, config.block_size, config.offload_block_size
         self.tier = OffloadTier(config.tier_blocks, config.policy)
         self.windows = [group.window for group in config.groups]  # None: full attention
+        self.block_sizes, self.offload_sizes = config.block_sizes, config.offload_block_sizes
+        self.strides = config.hashes_per_offload_block  # hashes per offload block, per group
+        self.ratios = [n // config.k for n in self.strides]  # offload blocks of offload_size in one, per group
+        self.hit_step = math.lcm(*self.offload_sizes)  # a hit ends on an offload block boundary of every group
         self.hybrid = config.hybrid  # block ids come one table per group
         self.windowed = any(w is not None for w in self.windows)  # a window frees blocks while requests run
+        self.grouped = self.hybrid or self.windowed  # else the single-group fast paths
         self.requests: dict[str, RequestState] = {}
         self.num_workers = config.num_workers
         self.unfinished: dict[int, Transfer] = {}  # built, not yet reported by every worker
@@ -81,28 +87,56 @@ class OffloadScheduler:
         if state.unfinished:
             return 0, False  # no load while this request's stores are in flight
         hashes, k, size = request.block_hashes, self.k, self.offload_size
+        if self.grouped:
+            last = min(request.num_tokens - 1, len(hashes) * self.block_size)
+            end = self._groups_hit(hashes, num_computed_tokens, last)
+            return (end - num_computed_tokens, True) if end > num_computed_tokens else (0, False)
         first = j = num_computed_tokens // size
-        limit = (request.num_tokens - 1) // size
-        if self.windowed:
-            j = self._windowed_hit(offload_keys(hashes, k, 0, limit), first)
-        else:
-            key = key_index(first, k)  # then each offload block's key is k hashes further
-            while j < limit and self.tier.is_ready(hashes[key]):
-                j, key = j + 1, key + k
+        limit = min((request.num_tokens - 1) // size, len(hashes) // k)
+        key = key_index(first, k)  # then each offload block's key is k hashes further
+        while j < limit and self.tier.is_ready(hashes[key]):
+            j, key = j + 1, key + k
         if j == first:
             return 0, False
         return j * size - num_computed_tokens, True
 
-    def _windowed_hit(self, keys: list[int], first: int) -> int:
-        """The furthest offload block a hit can end at, blocks before ``first`` being on the GPU: every group finds
-        what it reads there in the tier (full attention: every block from ``first``; a window: its last ones)."""
-        size = self.offload_size
-        for end in range(len(keys), first, -1):
-            if all(self.tier.is_ready(group_key(keys[j], g))
-                   for g, window in enumerate(self.windows)
-                   for j in range(first if window is None else max(first, end - -(-(window - 1) // size)), end)):
+    def _ready(self, hashes: list[int], g: int, j: int) -> bool:
+        return self.tier.is_ready(group_key(hashes[key_index(j, self.strides[g])], g))
+
+    def _groups_hit(self, hashes: list[int], computed: int, last: int) -> int:
+        """The furthest token a hit can end at (at most ``last``; offload blocks before ``computed`` are on the
+        GPU) such that every group finds what it reads there in the tier: full attention every offload block, up to
+        its first missing one; a window its last ones. Windows lower the end until all of them agree (vLLM's fixed
+        point), in time linear in the blocks scanned."""
+        step, end = self.hit_step, last // self.hit_step * self.hit_step
+        for g, (window, size) in enumerate(zip(self.windows, self.offload_sizes)):
+            if window is None:
+                j = computed // size
+                while (j + 1) * size <= end and self._ready(hashes, g, j):
+                    j += 1
+                end = min(end, j * size // step * step)
+        while end > computed:
+            lowered = end
+            for g, (window, size) in enumerate(zip(self.windows, self.offload_sizes)):
+                if window is not None:
+                    lowered = self._window_end(hashes, g, -(-(window - 1) // size), computed, lowered)
+            if lowered == end:
+                break
+            end = lowered
+        return end
+
+    def _window_end(self, hashes: list[int], g: int, need: int, computed: int, end: int) -> int:
+        """The furthest hit end at most ``end`` whose last ``need`` offload blocks of windowed group ``g`` (those
+        after ``computed``) are ready: below the highest missing one, until none is missing."""
+        size = self.offload_sizes[g]
+        while end > computed:
+            top = end // size
+            missing = next((j for j in range(top - 1, max(computed // size, top - need) - 1, -1)
+                            if not self._ready(hashes, g, j)), None)
+            if missing is None:
                 return end
-        return first
+            end = missing * size // self.hit_step * self.hit_step
+        return end
 
     def _tables(self, block_ids: BlockIds | tuple[int, ...] | tuple[tuple[int, ...], ...]) -> list[list[int]]:
         return [list(t) for t in block_ids] if self.hybrid else [list(block_ids)]  # type: ignore[arg-type]
@@ -113,12 +147,12 @@ class OffloadScheduler:
         state.cursor, state.allocated = 0, True
         self.counters["hit_tokens"] += num_external_tokens  # counted once the engine commits to the load
         if num_external_tokens:
-            first = request.num_computed_tokens // self.block_size
-            end = (request.num_computed_tokens + num_external_tokens) // self.block_size
-            k, base = self.k, first // self.k
-            keys = offload_keys(request.block_hashes, k, base, end // k)
-            copies = [(table[p], group_key(keys[p // k - base], g), p % k) for g, table in enumerate(tables)
-                      for p in range(first, end) if table[p] != NULL_BLOCK]  # a window's older blocks: not loaded
+            k, hashes = self.k, request.block_hashes
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_external_tokens
+            copies = [(table[p], group_key(hashes[key_index(p // k, n)], g), p % k)
+                      for g, (table, size, n) in enumerate(zip(tables, self.block_sizes, self.strides))
+                      for p in range(start // size, end // size)
+                      if table[p] != NULL_BLOCK]  # a window's older blocks: not loaded
             load_keys = list(dict.fromkeys(key for _block, key, _sub in copies))
             slot_of = dict(zip(load_keys, self.tier.prepare_load(load_keys)))
             host_rows = [slot_of[key] * k + sub for _block, key, sub in copies]
@@ -173,7 +207,7 @@ class OffloadScheduler:
         """Leading blocks of a group's table that the engine may have freed (a sliding window's, once ``computed``
         tokens are computed): it frees them without telling."""
         window = self.windows[group]
-        return 0 if window is None else max(0, computed - window + 1) // self.block_size
+        return 0 if window is None else max(0, computed - window + 1) // self.block_sizes[group]
 
     def _reading_left_behind(self, state: RequestState, computed: int) -> set[int]:
         """Stores of this request still reading a block its windows left behind: flushed before the forward pass,
@@ -188,12 +222,12 @@ class OffloadScheduler:
         """Offer offload blocks [cursor, full) to the tier, as far as their keys exist (tokens the engine has
         seen); a transfer for those it accepts. In a hybrid model, each group's blocks that it still holds."""
         k, first = self.k, state.cursor
+        if self.grouped:
+            return self._store_groups(state, first, min(full, len(state.request.block_hashes) // k), computed)
         keys = offload_keys(state.request.block_hashes, k, first, full)
         if not keys:
             return None
         state.cursor = first + len(keys)
-        if self.windowed:
-            return self._store_groups(state, first, keys, computed)
         slots = self.tier.prepare_store(keys, refuse=state.request.req_id in self.refusing)
         if slots is None:  # refused: this request only
             self.refusing.discard(state.request.req_id)
@@ -208,22 +242,33 @@ class OffloadScheduler:
                     host_rows.append(slot * k + sub)
         return self._new_transfer(state, "store", list(slots), copies, host_rows)
 
-    def _store_groups(self, state: RequestState, first: int, keys: list[int], computed: int) -> Transfer | None:
-        k, tables = self.k, state.block_tables
-        offered = [(j, g, group_key(key, g)) for j, key in enumerate(keys, start=first)
-                   for g, table in enumerate(tables)
-                   if j * k >= self._left_behind(g, computed) and NULL_BLOCK not in table[j * k:j * k + k]]
-        slots = self.tier.prepare_store([key for _j, _g, key in offered], refuse=state.request.req_id in self.refusing)
+    def _store_groups(self, state: RequestState, first: int, full: int, computed: int) -> Transfer | None:
+        """The offload blocks of every group that end in (first, full] (in offload blocks of ``offload_size``), by
+        their end; not the blocks a window may have freed."""
+        if full <= first:
+            return None
+        state.cursor = full
+        k, tables, hashes = self.k, state.block_tables, state.request.block_hashes
+        offered = []  # (offload block of its group, group, hash of its last block)
+        for end in range(first + 1, full + 1):
+            for g, ratio in enumerate(self.ratios):
+                j = end // ratio - 1
+                if not end % ratio and j * k >= self._left_behind(g, computed) \
+                        and NULL_BLOCK not in tables[g][j * k:j * k + k]:
+                    offered.append((j, g, hashes[key_index(j, self.strides[g])]))
+        slots = self.tier.prepare_store([group_key(h, g) for _j, g, h in offered],
+                                        refuse=state.request.req_id in self.refusing)
         if slots is None:  # refused: this request only
             self.refusing.discard(state.request.req_id)
         if not slots:
             return None
         copies, host_rows = [], []
-        for j, g, key in offered:
+        for j, g, block_hash in offered:
+            key = group_key(block_hash, g)
             slot = slots.get(key)
             if slot is not None:
                 if g:
-                    self.origin[key] = (keys[j - first], g)
+                    self.origin[key] = (block_hash, g)
                 for sub in range(k):
                     copies.append((tables[g][j * k + sub], key, sub))
                     host_rows.append(slot * k + sub)

@@ -18,6 +18,7 @@ block, becomes ``NULL_BLOCK``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import gcd
 from typing import Any, Callable, Iterable, cast
 
 import torch
@@ -26,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, KVConnectorTransferResults,
                                                                KVConnectorWorkerMetadata, SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash, resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
 
 from kvoffload.spec.config import Config, ConfigError
@@ -149,10 +150,11 @@ VLLM_NULL_BLOCK = 0  # vLLM's null block: where a sliding window freed a block, 
 
 
 def group_of(spec: Any, index: int) -> Group:
-    """A KV cache group's spec as our ``Group``: full attention (MLA included) or a sliding window."""
+    """A KV cache group's spec as our ``Group``: full attention (MLA included) or a sliding window, with its block
+    size (vLLM gives the layers of a group with fewer bytes per token larger blocks, so that pages are equal)."""
     specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
     attention = all(isinstance(s, (SlidingWindowSpec, FullAttentionSpec)) for s in specs)
-    kinds = {Group(s.sliding_window) if isinstance(s, SlidingWindowSpec) else Group() for s in specs}
+    kinds = {Group(s.sliding_window if isinstance(s, SlidingWindowSpec) else None, s.block_size) for s in specs}
     if not attention or len(kinds) != 1:
         raise ConfigError(f"KV cache group {index} is {type(spec).__name__}: KVOffloadConnector handles full-attention "
                           f"and sliding-window groups only (not Mamba, chunked-local or cross attention)")
@@ -172,19 +174,16 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
             raise ConfigError(f"kv_connector_extra_config {key}={value!r}: expected {expected}")
     vllm_groups = kv_cache_config.kv_cache_groups
     groups = tuple(group_of(g.kv_cache_spec, i) for i, g in enumerate(vllm_groups))
-    block_sizes = sorted({g.kv_cache_spec.block_size for g in vllm_groups})
-    if len(block_sizes) != 1:
-        raise ConfigError(f"KV cache groups with different block sizes {block_sizes} are not supported yet")
-    block_size = block_sizes[0]
+    block_size = hash_block_size(vllm_config, kv_cache_config)
     offload = extra.get("offload_block_size", block_size)
     if offload % block_size:
         raise ConfigError(f"offload_block_size={offload} tokens is not a multiple of the engine's block size "
-                          f"({block_size} tokens)")
+                          f"({block_size} tokens" + (", per block hash)" if len(groups) > 1 else ")"))
     # The groups overlay one allocation (a block id belongs to one group at a time): a block is as large as the
     # largest group's layers, and the worker copies each byte span once.
     largest = max(vllm_groups, key=lambda g: g.kv_cache_spec.page_size_bytes * len(g.layer_names))
     layers = len(largest.layer_names)
-    offload_bytes = largest.kv_cache_spec.page_size_bytes * layers * (offload // block_size)
+    offload_bytes = largest.kv_cache_spec.page_size_bytes * layers * (offload // block_size)  # every page: one size
     tier_bytes = extra.get("tier_bytes", 1 << 30)
     if tier_bytes < offload_bytes:
         raise ConfigError(f"tier_bytes={tier_bytes} holds no offload block: one offload block of {offload} tokens "
@@ -194,6 +193,19 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
                   token_budget=vllm_config.scheduler_config.max_num_batched_tokens,
                   policy=extra.get("policy", "lru"), num_workers=vllm_config.parallel_config.world_size,
                   groups=groups)
+
+
+def hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
+    """The tokens per block hash of vLLM's requests, our ``Config.block_size``: the groups' block size, or with
+    groups of several sizes the greatest common divisor of them (vLLM's default). A finer ``prefix_match_unit`` is
+    refused: a block of every group must end on a hash."""
+    sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+    _scheduler_block_size, hashed = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    if hashed != gcd(*sizes):
+        raise ConfigError(f"KV cache groups with block sizes {sizes} hashed every {hashed} tokens "
+                          f"(prefix_match_unit): KVOffloadConnector needs hashes every {gcd(*sizes)} tokens, the "
+                          f"greatest common divisor of the block sizes; unset prefix_match_unit")
+    return hashed
 
 
 class BlockTables:
@@ -368,7 +380,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             for group, hashes in by_group.items():
                 if event.kind == "stored":
                     yield BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
-                                      block_size=self.config.offload_block_size, lora_id=None, medium=event.medium,
+                                      block_size=self.config.offload_block_sizes[group], lora_id=None,
+                                      medium=event.medium,
                                       lora_name=None, group_idx=group)
                 else:
                     yield BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group)

@@ -8,6 +8,7 @@ engine gives it. Read it next to ``kvoffload.spec.connector``: every decision th
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter, defaultdict
 
 import torch
@@ -87,8 +88,9 @@ class ReferenceConnector:
         self._load_errors: set[int] = set()  # GPU blocks of failed loads, not yet reported
 
     # ================= scheduler side =================
-    def _keys(self, req: RequestView) -> list[int]:
-        return offload_keys(req.block_hashes, self.config.k)
+    def _keys(self, req: RequestView) -> list[list[int]]:
+        """Each group's offload keys (its offload blocks hold k of its own blocks, which may span several hashes)."""
+        return [offload_keys(req.block_hashes, n) for n in self.config.hashes_per_offload_block]
 
     def _request(self, req_id: str) -> RequestView:
         try:
@@ -103,22 +105,21 @@ class ReferenceConnector:
         self._requests[request.req_id] = request
         if self._has_transfers(request.req_id):
             return 0, False  # a load must not overlap this request's stores
-        size = self.config.offload_block_size
-        first = num_computed_tokens // size
-        last = (request.num_tokens - 1) // size  # keep one token to compute
-        keys = self._keys(request)[:last]
-        end = next((e for e in range(len(keys), first, -1) if self._serves_every_group(keys, first, e)), first)
-        if end == first:
-            return 0, False
-        return end * size - num_computed_tokens, True
+        step = math.lcm(*self.config.offload_block_sizes)  # a hit ends on an offload block boundary of every group
+        last = min(request.num_tokens - 1, len(request.block_hashes) * self.config.block_size)  # keep one token
+        keys = self._keys(request)
+        for end in range(last // step * step, num_computed_tokens, -step):
+            if self._serves_every_group(keys, num_computed_tokens, end):
+                return end - num_computed_tokens, True
+        return 0, False
 
-    def _serves_every_group(self, keys: list[int], first: int, end: int) -> bool:
-        """Whether the tier holds what a hit up to offload block ``end`` needs from every group, beyond the first
-        blocks (on the GPU): all of them for full attention, the last ones a sliding window reads."""
-        size = self.config.offload_block_size
-        for g, group in enumerate(self.groups):
-            start = first if group.window is None else max(first, end - -(-(group.window - 1) // size))
-            if self.tier.lookup([group_key(key, g) for key in keys[start:end]]) < end - start:
+    def _serves_every_group(self, keys: list[list[int]], computed: int, end: int) -> bool:
+        """Whether the tier holds what a hit up to token ``end`` needs from every group, beyond the offload blocks
+        on the GPU (those before ``computed``): all of them for full attention, the last ones a window reads."""
+        for g, (group, size) in enumerate(zip(self.groups, self.config.offload_block_sizes)):
+            first, last = computed // size, end // size
+            start = first if group.window is None else max(first, last - -(-(group.window - 1) // size))
+            if self.tier.lookup([group_key(key, g) for key in keys[g][start:last]]) < last - start:
                 return False
         return True
 
@@ -134,11 +135,11 @@ class ReferenceConnector:
         self._cursors[req_id] = 0
         if num_external_tokens == 0:
             return
-        bs, k, keys = self.config.block_size, self.config.k, self._keys(request)
-        first_block = request.num_computed_tokens // bs
-        end_block = (request.num_computed_tokens + num_external_tokens) // bs
-        copies = [(table[i], group_key(keys[i // k], g), i % k) for g, table in enumerate(tables)
-                  for i in range(first_block, end_block) if table[i] != NULL_BLOCK]  # a window's older blocks: no
+        k, keys, end = self.config.k, self._keys(request), request.num_computed_tokens + num_external_tokens
+        copies = [(table[i], group_key(keys[g][i // k], g), i % k)
+                  for g, (table, bs) in enumerate(zip(tables, self.config.block_sizes))
+                  for i in range(request.num_computed_tokens // bs, end // bs)
+                  if table[i] != NULL_BLOCK]  # a window's older blocks: not loaded
         load_keys = list(dict.fromkeys(key for _block, key, _sub in copies))
         slots = dict(zip(load_keys, self.tier.prepare_load(load_keys)))
         rows = [slots[key] * k + sub for _block, key, sub in copies]
@@ -180,7 +181,7 @@ class ReferenceConnector:
         """Leading blocks of a sliding window's table that the engine may have freed once ``computed`` tokens are
         computed (it frees them without telling): none for full attention."""
         window = self.groups[group_index].window
-        return 0 if window is None else max(0, computed - window + 1) // self.config.block_size
+        return 0 if window is None else max(0, computed - window + 1) // self.config.block_sizes[group_index]
 
     def _reading_left_behind(self, req_id: str, computed: int) -> set[int]:
         """This request's stores that read a block its windows left behind: they must finish before the forward
@@ -205,19 +206,24 @@ class ReferenceConnector:
         self._cursors[req_id] = 0
 
     def _storable(self, sched) -> list[tuple[int, int, int]]:
-        """(offload block, group, key) of the blocks full after this step that the cursor has not passed, in each
-        group that still holds them (not a block its window may have freed); moves the cursor."""
-        keys = self._keys(self._requests[sched.req_id])  # only blocks whose tokens the engine has seen have one
-        full = min((sched.num_computed_tokens + sched.num_scheduled_tokens) // self.config.offload_block_size,
-                   len(keys))
+        """(offload block, group, key) of the offload blocks full after this step whose end the cursor has not
+        passed, by their end, in each group that still holds them (not a block its window may have freed); moves
+        the cursor (in offload blocks of offload_block_size tokens: every group's offload blocks end on one)."""
+        request, size = self._requests[sched.req_id], self.config.offload_block_size
+        keys = self._keys(request)  # only blocks whose tokens the engine has seen have one
+        full = min((sched.num_computed_tokens + sched.num_scheduled_tokens) // size,
+                   len(request.block_hashes) // self.config.k)
         first, k, tables = self._cursors[sched.req_id], self.config.k, self._block_tables[sched.req_id]
         self._cursors[sched.req_id] = max(first, full)
         offered = []
-        for j in range(first, full):
-            for g, table in enumerate(tables):
+        for end in range((first + 1) * size, full * size + 1, size):
+            for g, (table, group_size) in enumerate(zip(tables, self.config.offload_block_sizes)):
+                if end % group_size:
+                    continue  # none of this group's offload blocks ends here
+                j = end // group_size - 1
                 blocks = table[j * k:j * k + k]
                 if j * k >= self._left_behind(g, sched.num_computed_tokens) and NULL_BLOCK not in blocks:
-                    offered.append((j, g, group_key(keys[j], g)))
+                    offered.append((j, g, group_key(keys[g][j], g)))
         return offered
 
     def _store_transfer(self, req_id: str, offered: list[tuple[int, int, int]], slots: dict[int, int]) -> Transfer:

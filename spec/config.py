@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from math import gcd
 from typing import TypeVar, cast
 
 from attrs import frozen
@@ -49,8 +50,8 @@ class Config:
     """Sizes are in tokens or in blocks, as named; everything is small on purpose."""
 
     num_gpu_blocks: int = 16
-    block_size: int = 2  # tokens per GPU block
-    offload_block_size: int = 2  # tokens per tier entry: k GPU blocks, k >= 1
+    block_size: int = 2  # tokens per GPU block and per block hash (a group may have larger blocks: Group.block_size)
+    offload_block_size: int = 2  # tokens per tier entry: k GPU blocks, k >= 1 (of each group's own size)
     tier_blocks: int = 8  # tier capacity, in offload blocks
     token_budget: int = 8  # tokens the scheduler may compute per step
     policy: str = "lru"
@@ -76,6 +77,9 @@ class Config:
             )
         if not self.groups or not all(isinstance(g, Group) for g in cast(tuple[object, ...], self.groups)):
             raise ConfigError(f"groups must be one or more Group, got {self.groups!r}")
+        if gcd(*self.block_sizes) != self.block_size:
+            raise ConfigError(f"block_size ({self.block_size} tokens per block hash) must be the greatest common "
+                              f"divisor of the KV cache groups' block sizes {list(self.block_sizes)}, as in vLLM")
         if self.policy not in ("lru", "arc"):
             raise ConfigError(f"unknown eviction policy {self.policy!r}; known: 'lru', 'arc'")
 
@@ -84,6 +88,25 @@ class Config:
         """Several KV cache groups: block ids come one table per group, and a failed load is reported by request
         (a block id alone does not say which group's block failed)."""
         return len(self.groups) > 1
+
+    def block_size_of(self, group: Group) -> int:
+        """Tokens per GPU block of a group. Its offload block is ``k`` of its blocks."""
+        return group.block_size or self.block_size
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(map(self.block_size_of, self.groups))
+
+    @property
+    def offload_block_sizes(self) -> tuple[int, ...]:
+        """Tokens per offload block of each group: ``k`` of its GPU blocks. Each is a multiple of
+        ``offload_block_size``, so every offload block of every group ends on an ``offload_block_size`` boundary."""
+        return tuple(self.k * size for size in self.block_sizes)
+
+    @property
+    def hashes_per_offload_block(self) -> tuple[int, ...]:
+        """Block hashes per offload block of each group: its keys are ``offload_keys(block_hashes, this)``."""
+        return tuple(size // self.block_size for size in self.offload_block_sizes)
 
     @property
     def k(self) -> int:

@@ -16,11 +16,13 @@ Scheduler side
     it succeeded only if every worker's part did. A failed load makes its entries stale (never offered again).
   * reset_cache (a weight update): every entry goes stale; stores in flight never become loadable.
   * a hybrid model (GROUPS, several KV cache groups, or one sliding window): one block table per group (a single
-    group's comes as one table), and each group's blocks are keyed
-    by hash and group (``group_key``). A hit must be usable by every group (``groups.longest_hit``: a sliding
-    window needs only its last blocks, and its older positions are never loaded); a store skips the blocks a window
-    may have freed; the stores that still read such blocks are flushed before the forward pass, since the engine
-    frees them without telling and may reuse them at once.
+    group's comes as one table), and each group's offload blocks (``k`` of its own blocks, whatever their size) are
+    keyed by hash and group (``group_key``). A hit must be usable by every group (``groups.longest_hit``: it ends
+    on an offload block boundary of every group; a sliding window needs only its last blocks, and its older
+    positions are never loaded); a store skips the blocks a window may have freed; the stores that still read such
+    blocks are flushed before the forward pass, since the engine frees them without telling and may reuse them at
+    once. The cursor counts offload blocks of ``Config.offload_block_size`` tokens: every group's offload blocks
+    end on those boundaries, and each is offered once the cursor passes its end.
 
 Worker side
   * loads are submitted in start_load_kv, stores in wait_for_save (after the forward pass wrote the blocks);
@@ -93,12 +95,16 @@ class SpecConnector:
         self.requests[request.req_id] = request
         if any(t.req_id == request.req_id for t in self.unfinished.values()):
             return 0, False
-        per = self.config.offload_block_size
-        start, limit = num_computed_tokens // per, (request.num_tokens - 1) // per
-        keys = offload_keys(request.block_hashes, self.config.k, 0, limit)  # blocks before start are on the GPU
-        end = longest_hit(self.config.groups, per, len(keys),
-                          lambda g, j: j < start or self.tier.lookup([group_key(keys[j], g)]) == 1)
-        return ((end * per - num_computed_tokens), True) if end > start else (0, False)
+        sizes, keys = self.config.offload_block_sizes, self._keys(request)
+        limit = min(request.num_tokens - 1, len(request.block_hashes) * self.config.block_size)
+        end = longest_hit(self.config.groups, sizes, limit,  # offload blocks before num_computed_tokens: on the GPU
+                          lambda g, j: (j + 1) * sizes[g] <= num_computed_tokens
+                          or self.tier.lookup([group_key(keys[g][j], g)]) == 1)
+        return (end - num_computed_tokens, True) if end > num_computed_tokens else (0, False)
+
+    def _keys(self, request: RequestView) -> list[list[Key]]:
+        """Each group's offload keys, as far as they exist (the key rule at the group's block size)."""
+        return [offload_keys(request.block_hashes, n) for n in self.config.hashes_per_offload_block]
 
     def _tables(self, block_ids: Sequence[int] | Sequence[Sequence[int]] | None) -> list[list[int]]:
         """Block ids as the engine hands them (one sequence per group in a hybrid model): one table per group."""
@@ -113,11 +119,11 @@ class SpecConnector:
         tables = self.block_tables[req.req_id] = self._tables(block_ids)
         self.cursors[req.req_id] = 0
         if num_external_tokens:
-            bs, k = self.config.block_size, self.config.k
-            keys = offload_keys(req.block_hashes, k)
-            first, end = req.num_computed_tokens // bs, (req.num_computed_tokens + num_external_tokens) // bs
-            copies = [(table[i], group_key(keys[i // k], g), i % k) for g, table in enumerate(tables)
-                      for i in range(first, end) if table[i] != NULL_BLOCK]  # a window's older blocks: not loaded
+            k, keys, end = self.config.k, self._keys(req), req.num_computed_tokens + num_external_tokens
+            copies = [(table[i], group_key(keys[g][i // k], g), i % k)
+                      for g, (table, size) in enumerate(zip(tables, self.config.block_sizes))
+                      for i in range(req.num_computed_tokens // size, end // size)
+                      if table[i] != NULL_BLOCK]  # a window's older blocks: not loaded
             load = self._new_transfer(req.req_id, "load", copies)
             self.tier.prepare_load(load.keys)
             self.pending_loads.append(load)
@@ -147,31 +153,33 @@ class SpecConnector:
     def _reading_left_behind(self, req_id: str, computed: int) -> set[int]:
         """Stores of this request that read a block its sliding windows left behind: the engine may have freed it
         this step (it does not say), so they finish before the forward pass writes anything."""
-        tables, bs = self.block_tables.get(req_id, []), self.config.block_size
-        left = {b for table, group in zip(tables, self.config.groups)
-                for b in table[:group.skipped_blocks(computed, bs)]}
+        tables = self.block_tables.get(req_id, [])
+        left = {b for table, group, size in zip(tables, self.config.groups, self.config.block_sizes)
+                for b in table[:group.skipped_blocks(computed, size)]}
         return {t.job_id for t in self.unfinished.values()
                 if t.req_id == req_id and t.kind == "store" and left & {b for b, _k, _s in t.copies}}
 
     def _store(self, req: RequestView, computed: int, full: int) -> Transfer | None:
-        """Offer offload blocks [cursor, full) to the tier, as far as their keys exist; a transfer for those it
-        accepts. In a hybrid model, not the blocks of a sliding window that the engine may have freed: those
-        before the window of the ``computed`` tokens (the engine does not say which it freed)."""
-        k, tables = self.config.k, self.block_tables[req.req_id]
-        keys = offload_keys(req.block_hashes, k)
-        full = min(full, len(keys))
+        """Offer the offload blocks that end in (cursor, full] (in offload blocks of ``offload_block_size``) to the
+        tier, in order of their end, as far as their keys exist; a transfer for those it accepts. In a hybrid
+        model, not the blocks of a sliding window that the engine may have freed: those before the window of the
+        ``computed`` tokens (the engine does not say which it freed)."""
+        k, tables, keys, sizes = self.config.k, self.block_tables[req.req_id], self._keys(req), self.config.block_sizes
+        full = min(full, len(req.block_hashes) // k)
         start, self.cursors[req.req_id] = self.cursors[req.req_id], max(full, self.cursors[req.req_id])
-        gone = [group.skipped_blocks(computed, self.config.block_size) for group in self.config.groups]
-        offered = [(j, g) for j in range(start, full) for g, table in enumerate(tables)
-                   if j * k >= gone[g] and NULL_BLOCK not in table[j * k:j * k + k]]
-        accepted = self.tier.prepare_store([group_key(keys[j], g) for j, g in offered],
+        gone = [group.skipped_blocks(computed, size) for group, size in zip(self.config.groups, sizes)]
+        ratios = [size // self.config.block_size for size in sizes]  # offload blocks of offload_block_size in one
+        ends = [(end // r - 1, g) for end in range(start + 1, full + 1)  # (group's offload block ending there, group)
+                for g, r in enumerate(ratios) if end % r == 0]
+        offered = [(j, g) for j, g in ends if j * k >= gone[g] and NULL_BLOCK not in tables[g][j * k:j * k + k]]
+        accepted = self.tier.prepare_store([group_key(keys[g][j], g) for j, g in offered],
                                            refuse=req.req_id in self.refusing)
         if accepted is None:  # refused for lack of room: skip this request only
             self.refusing.discard(req.req_id)
         if not accepted:  # ([]: all present already)
             return None
-        copies = [(tables[g][j * k + s], group_key(keys[j], g), s) for j, g in offered
-                  if group_key(keys[j], g) in accepted for s in range(k)]
+        copies = [(tables[g][j * k + s], group_key(keys[g][j], g), s) for j, g in offered
+                  if group_key(keys[g][j], g) in accepted for s in range(k)]
         return self._new_transfer(req.req_id, "store", copies)
 
     def _new_transfer(self, req_id: str, kind: TransferKind, copies: list[Copy]) -> Transfer:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Iterable, cast
 
-from .types import NULL_BLOCK, Key, Observation, WorkerOutput, group_key, key_index
+from .types import NULL_BLOCK, Key, Observation, WorkerOutput, group_key
 
 if TYPE_CHECKING:
     from .kit.coverage import Coverage
@@ -149,11 +149,15 @@ def store_bytes(world: World, job: Job, kv: GpuKV) -> None:
     for block, key, sub in job.copies:
         _require(key in keys, "SRC", f"step {world.step_no}: store job {job.job_id} of {job.req_id} stores key "
                                      f"{key:#x}, which is not a block of that request's prefix in any group")
-        last, group = keys[key]
-        position = last - key_index(0, k) + sub  # the key is its offload block's last hash
-        _require(kv.holds(block, kv_content(group_key(req.block_hashes[position], group), job.epoch)), "SRC",
+        last, group = keys[key]  # the key is its offload block's last hash; its blocks hold m hashes each
+        m = world.block_sizes[group] // world.config.block_size
+        block_hash = last - (k - 1 - sub) * m  # the last hash of the block at index sub
+        _require(block_hash >= 0, "SRC", f"step {world.step_no}: store job {job.job_id} of {job.req_id} stores "
+                                         f"key {key:#x} at index {sub}, before the request's first block")
+        _require(kv.holds(block, kv_content(group_key(req.block_hashes[block_hash], group), job.epoch)), "SRC",
                  f"step {world.step_no}: store job {job.job_id} of {job.req_id} reads GPU block {block} for "
-                 f"position {position}" + (f" of group {group}" if group else "") + ", but the block holds other bytes")
+                 f"position {block_hash // m}" + (f" of group {group}" if group else "")
+                 + ", but the block holds other bytes")
 
 
 def not_in_flight(world: World, block: int, action: str, kinds: tuple[str, ...] = ("store", "load")) -> None:
@@ -178,15 +182,41 @@ def content(world: World) -> None:
     from .world import kv_content
 
     for req in world.requests.values():
-        for i in range(req.num_final_tokens // world.config.block_size):
-            for g, table in enumerate(req.tables):
+        for g, (table, size) in enumerate(zip(req.tables, world.block_sizes)):
+            for i in range(req.num_final_tokens // size):
                 if table[i] == NULL_BLOCK:  # a sliding window's block that no position reads any more
                     continue
                 for worker, kv in enumerate(world.kvs):
-                    _require(kv.holds(table[i], kv_content(group_key(req.content_hashes[i], g), world.epoch)),
+                    _require(kv.holds(table[i], kv_content(world.block_hash(req.content_hashes, i, g), world.epoch)),
                              "CONTENT", f"step {world.step_no}, request {req.req_id}: block {table[i]} (position {i}"
                                         + (f" of group {g}" if g else "") + ") does not hold its prefix's KV"
                                         + (f" on worker {worker}" if worker else ""))
+
+
+def landed(world: World, req: Request) -> None:
+    """CONTENT — a load that lands inside a block of some group filled that whole block: the request resumes there
+    and never writes the positions before it again, so a block the load left alone holds no KV for them.
+
+    Prevents a hit that ends inside a block of a group with larger blocks (aligned to a smaller group's blocks
+    only) whose load skips that block: the engine would attend to whatever the block held before.
+    """
+    from .world import kv_content
+
+    done = req.load_target
+    for g, (table, size) in enumerate(zip(req.tables, world.block_sizes)):
+        i = done // size
+        if done % size == 0 or table[i] == NULL_BLOCK:
+            continue
+        last = (i + 1) * size // world.config.block_size - 1  # the block's last hash, if its tokens are known
+        _require(last < len(req.content_hashes), "CONTENT",
+                 f"step {world.step_no}, request {req.req_id}: its load landed at token {done}, inside block "
+                 f"{table[i]} of group {g}, whose tokens are not all known: nothing could have filled it")
+        whole = kv_content(group_key(req.content_hashes[last], g), world.epoch)
+        for worker, kv in enumerate(world.kvs):
+            _require(kv.holds(table[i], whole), "CONTENT",
+                     f"step {world.step_no}, request {req.req_id}: its load landed at token {done}, inside block "
+                     f"{table[i]} (position {i} of group {g}), which the load did not fill"
+                     + (f" on worker {worker}" if worker else ""))
 
 
 def ref(world: World, obs: Observation) -> None:

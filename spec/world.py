@@ -16,13 +16,14 @@ The engine modes vLLM runs on GPUs are modelled too, because each one changes wh
     rolls computed tokens back; a rejected draft's KV is rewritten and never has a hash;
   * weight updates: the tier must forget everything, since KV computed before the update is wrong after it;
   * hybrid models: several KV cache groups (``Config.groups``: full attention, sliding windows), a block table
-    each; a sliding window's old blocks are freed while the request runs, and a prefix hit counts only as far as
-    every group can supply it (``groups.py``).
+    each, with blocks of its own size; a sliding window's old blocks are freed while the request runs, and a prefix
+    hit counts only as far as every group can supply it (``groups.py``).
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
+from math import lcm
 from enum import Enum
 from typing import Callable, Iterator, cast
 
@@ -32,7 +33,7 @@ from . import invariants
 from .config import BlockIdError, Config
 from .groups import FULL_ATTENTION, Group, longest_hit
 from .types import (CONNECTOR_METHODS, HASH_BITS, NULL_BLOCK, Connector, Event, GpuKV, Grouped, Job, Observable,
-                    Observation, Resettable, ScheduledRequest, SchedulerOutput, WorkerOutput, group_key)
+                    Observation, Resettable, ScheduledRequest, SchedulerOutput, WorkerOutput, group_key, key_index)
 
 PARTIAL = -1  # content of a block whose tokens are only partly computed
 GARBAGE = -2  # content of a block nothing has written yet
@@ -166,7 +167,7 @@ class Request:
     # blocks a sliding window freed from these tables -> (group, position): a store fenced before their reuse may
     # still read them (vLLM's connector does), until they are written again
     left_behind: dict[int, tuple[int, int]] = field(factory=dict)
-    num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
+    num_cached_tokens: int = 0  # leading tokens whose blocks are registered in the prefix cache, in every group
     load_target: int = 0  # tokens computed once the pending load lands
     looked_up: bool = False  # the connector has seen this request
     resumed: bool = False  # preempted since it last ran
@@ -357,6 +358,16 @@ class World:
         connector, and hands it one table with null blocks in it."""
         return self.config.groups if self.grouped or len(self.config.groups) == 1 else FULL_ATTENTION
 
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        """Tokens per block of each group the engine runs."""
+        return tuple(map(self.config.block_size_of, self.groups))
+
+    def block_hash(self, hashes: list[int], block: int, g: int) -> int:
+        """The key of block ``block`` of group ``g`` in the prefix cache, from a request's hashes (per
+        ``Config.block_size`` tokens): its last hash, in its group."""
+        return group_key(hashes[key_index(block, self.block_sizes[g] // self.config.block_size)], g)
+
     def table_of(self, req: Request) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:
         """A request's block tables as a connector's ``observe()`` reports them (``Observation.tracked``)."""
         return tuple(tuple(t) for t in req.tables) if self.grouped else tuple(req.tables[0])
@@ -541,39 +552,38 @@ class World:
             req.resumed = False
             budget -= n
 
-    def _lookup(self, req: Request) -> tuple[list[list[int]], int] | None:
-        """The GPU prefix hit (per group, the blocks a hit needs and NULL_BLOCK before them), then the connector's
-        hit in tokens (None: the connector asks to be asked later)."""
-        bs, groups = self.config.block_size, self.groups
-        hashes = req.block_hashes[:(req.num_tokens - 1) // bs]  # the last token is always computed
-        end = longest_hit(groups, bs, len(hashes), lambda g, b: group_key(hashes[b], g) in self.pool.by_hash) \
+    def _lookup(self, req: Request) -> tuple[list[list[int]], int, int] | None:
+        """The GPU prefix hit (per group, the blocks a hit needs and NULL_BLOCK before them, and its tokens), then
+        the connector's hit in tokens (None: the connector asks to be asked later)."""
+        hashes = req.block_hashes
+        hashed = min(req.num_tokens - 1, len(hashes) * self.config.block_size)  # the last token is always computed
+        end = longest_hit(self.groups, self.block_sizes, hashed,
+                          lambda g, b: self.block_hash(hashes, b, g) in self.pool.by_hash) \
             if self.config.prefix_caching else 0
-        hit = [[self.pool.by_hash[group_key(hashes[b], g)] if b in group.needed_for_hit(end, bs) else NULL_BLOCK
-                for b in range(end)] for g, group in enumerate(groups)]
-        num_external, is_async = self.connector.get_num_new_matched_tokens(req, end * bs)
+        hit = [[self.pool.by_hash[self.block_hash(hashes, b, g)] if b in group.blocks_read(end, size) else NULL_BLOCK
+                for b in range(end // size)] for g, (group, size) in enumerate(zip(self.groups, self.block_sizes))]
+        num_external, is_async = self.connector.get_num_new_matched_tokens(req, end)
         req.looked_up = True
-        invariants.lookup(req, end * bs, num_external, is_async)
-        return None if num_external is None else (hit, num_external)
+        invariants.lookup(req, end, num_external, is_async)
+        return None if num_external is None else (hit, end, num_external)
 
-    def _allocate_with_hits(self, req: Request, budget: int, hit: list[list[int]], num_external: int) -> bool:
+    def _allocate_with_hits(self, req: Request, budget: int, hit: list[list[int]], num_local: int,
+                            num_external: int) -> bool:
         """Admission: take the hits, allocate the rest of the first step, tell the connector. False: no room. A
         load fills only the blocks the hit needs: those a sliding window skips once the hit's tokens are computed
         stay NULL_BLOCK, as in vLLM (a hit may end inside a block)."""
-        bs = self.config.block_size
-        num_local = len(hit[0]) * bs
         first_step = num_external if num_external else min(req.num_tokens - num_local, budget)
         held = [b for table in hit for b in table if b != NULL_BLOCK]
         self.pool.take(held)
         req.tables, req.left_behind = [list(table) for table in hit], {}
-        for table, group in zip(req.tables, self.groups):
-            start = group.skipped_blocks(num_local + num_external, bs) if num_external else 0
+        for table, group, size in zip(req.tables, self.groups, self.block_sizes):
+            start = group.skipped_blocks(num_local + num_external, size) if num_external else 0
             table += [NULL_BLOCK] * (start - len(table))
         if self._grow(req, num_local + first_step) is None:
             self.pool.release(held)
             req.tables = [[] for _ in self.groups]
             return False
-        req.num_computed_tokens = req.num_final_tokens = num_local
-        req.num_cached_blocks = len(hit[0])
+        req.num_computed_tokens = req.num_final_tokens = req.num_cached_tokens = num_local
         self.stats["engine_hit_blocks"] += len(held)
         self._allocated(req, num_external)
         if num_external:
@@ -583,8 +593,7 @@ class World:
 
     def _grow(self, req: Request, num_tokens: int) -> list[list[int]] | None:
         """Blocks for ``num_tokens`` in every group, all or none; the new ones per group."""
-        want = -(-num_tokens // self.config.block_size)
-        needs = [max(want - len(table), 0) for table in req.tables]
+        needs = [max(-(-num_tokens // size) - len(table), 0) for table, size in zip(req.tables, self.block_sizes)]
         new = self.pool.allocate(sum(needs))
         if new is None:
             return None
@@ -600,9 +609,8 @@ class World:
         their place (vLLM's ``remove_skipped_blocks``). Nothing tells the connector: a store still reading one
         must be done before the block is written again (the connector can tell from the window and the computed
         tokens which blocks these may be, and flushes its stores of them)."""
-        bs = self.config.block_size
         for g, (table, group) in enumerate(zip(req.tables, self.groups)):
-            for i in range(min(group.skipped_blocks(req.num_final_tokens, bs), len(table))):
+            for i in range(min(group.skipped_blocks(req.num_final_tokens, self.block_sizes[g]), len(table))):
                 if table[i] != NULL_BLOCK:
                     invariants.not_in_flight(self, table[i], "freed by the sliding window", ("load",))
                     self.pool.release([table[i]])
@@ -626,7 +634,7 @@ class World:
             return
         self.pool.release(req.blocks)  # in-flight stores are flushed by the workers before the forward pass
         req.tables = [[] for _ in self.groups]
-        req.num_computed_tokens, req.num_cached_blocks, req.num_final_tokens = 0, 0, 0
+        req.num_computed_tokens, req.num_cached_tokens, req.num_final_tokens = 0, 0, 0
         req.num_placeholders = req.rollback = 0
         req.state, req.resumed = State.PREEMPTED, True
         self.waiting.appendleft(req)
@@ -664,11 +672,11 @@ class World:
         bs = self.config.block_size
         hashes = req.content_hashes[:len(req.tokens) // bs]
         extend_block_hashes(inputs, bs, hashes)  # blocks holding drafts get the hash of what was really input
-        for i in range(start // bs, -(-end // bs)):
-            for g, table in enumerate(req.tables):
+        for g, (table, size) in enumerate(zip(req.tables, self.block_sizes)):
+            for i in range(start // size, -(-end // size)):
                 invariants.not_in_flight(self, table[i], "written by the forward pass")
                 self.window_freed.discard(table[i])
-                content = kv_content(group_key(hashes[i], g), self.epoch) if end >= (i + 1) * bs else PARTIAL
+                content = kv_content(self.block_hash(hashes, i, g), self.epoch) if end >= (i + 1) * size else PARTIAL
                 for kv in self.kvs:
                     kv.write(table[i], content)
 
@@ -757,25 +765,28 @@ class World:
         window) short of the blocks it needs; from scratch when its load failed as a whole (``failed_recving``: vLLM
         sets its computed tokens to 0), or when that prefix would have it compute into the null blocks the hit left
         in a window's table."""
-        bs, bad = self.config.block_size, self.bad_blocks & set(req.blocks)
+        bad, sizes = self.bad_blocks & set(req.blocks), self.block_sizes
         self.bad_blocks -= set(req.blocks)
 
         def valid(g: int, i: int) -> bool:
             return req.tables[g][i] not in bad and req.tables[g][i] != NULL_BLOCK
         if failed:
             done = 0
-        elif all(valid(g, i) for g, group in enumerate(self.groups) for i in group.blocks_read(req.load_target, bs)):
+        elif all(valid(g, i) for g, (group, size) in enumerate(zip(self.groups, sizes))
+                 for i in group.blocks_read(req.load_target, size)):
             done = req.load_target
         else:
-            done = bs * longest_hit(self.groups, bs, req.load_target // bs, valid)
-            if any(NULL_BLOCK in table[done // bs:] for table in req.tables):
+            done = longest_hit(self.groups, sizes, req.load_target, valid)
+            if any(NULL_BLOCK in table[done // size:] for table, size in zip(req.tables, sizes)):
                 done = 0  # the hit left a window's null blocks where the request would compute again: start over
-        self.stats["blocks_loaded"] += (done - req.num_computed_tokens) // bs
+        if done and done == req.load_target:
+            invariants.landed(self, req)
+        self.stats["blocks_loaded"] += (done - req.num_computed_tokens) // self.config.block_size
         req.num_computed_tokens = req.num_final_tokens = done
         req.state = State.WAITING
         if done == 0:  # nothing valid: vLLM frees the blocks without telling the connector, and allocates anew
             self.pool.release(req.blocks)
-            req.tables, req.num_cached_blocks = [[] for _ in self.groups], 0
+            req.tables, req.num_cached_tokens = [[] for _ in self.groups], 0
             return
         self._cache_full_blocks(req)
         req.num_computed_tokens = min(done, req.num_tokens - 1)  # a whole-prompt hit recomputes the last token
@@ -791,13 +802,16 @@ class World:
             self._finish(req, State.FINISHED)
 
     def _cache_full_blocks(self, req: Request) -> None:
-        full = min(req.num_final_tokens // self.config.block_size, len(req.block_hashes))
-        for i in range(req.num_cached_blocks, full):
-            for g, table in enumerate(req.tables):
+        """Blocks computed for good and hashed enter the prefix cache, up to a block boundary of every group
+        (vLLM caches only as far as a hit could reach)."""
+        unit = lcm(*self.block_sizes)
+        full = min(req.num_final_tokens, len(req.block_hashes) * self.config.block_size) // unit * unit
+        for g, (table, size) in enumerate(zip(req.tables, self.block_sizes)):
+            for i in range(req.num_cached_tokens // size, full // size):
                 if table[i] != NULL_BLOCK:
                     invariants.not_in_flight(self, table[i], "entered the prefix cache", ("load",))
-                    self.pool.cache(table[i], group_key(req.block_hashes[i], g))
-        req.num_cached_blocks = max(req.num_cached_blocks, full)
+                    self.pool.cache(table[i], self.block_hash(req.block_hashes, i, g))
+        req.num_cached_tokens = max(req.num_cached_tokens, full)
 
     def _finish(self, req: Request, state: State) -> None:
         loading = req.loading()  # the engine itself holds its blocks until the load lands
@@ -870,8 +884,8 @@ class World:
         """The live requests fit the GPU pool together. (When they do not, the engine itself can deadlock: waiting
         requests that hold loaded blocks are never preempted, in vLLM as here. Liveness is the connector's only
         where the engine cannot stall on its own.)"""
-        need = len(self.groups) * sum(-(-(len(r.prompt) + r.max_tokens + self.config.num_spec_tokens)
-                                          // self.config.block_size) for r in self.requests.values())
+        need = sum(-(-(len(r.prompt) + r.max_tokens + self.config.num_spec_tokens) // size)
+                   for r in self.requests.values() for size in self.block_sizes)
         return need + sum(len(r.blocks) for r in self.delayed.values()) <= self.config.num_gpu_blocks
 
     def drain(self, max_steps: int = 12) -> None:

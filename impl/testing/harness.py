@@ -11,11 +11,14 @@ from pathlib import Path
 import torch
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                          SpeculativeConfig, VllmConfig)
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
                                         SlidingWindowSpec)
 from vllm.v1.structured_output import StructuredOutputManager
+
+from kvoffload.spec.groups import FULL_ATTENTION, Group
 
 BLOCK_SIZE = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -24,11 +27,13 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 def make_configs(model: Path, num_blocks: int, connector: str, module: str | None, extra: dict,
                  block_size: int = BLOCK_SIZE, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
                  num_spec_tokens: int = 0, world_size: int = 1,
-                 windows: tuple[int | None, ...] = (None,)) -> tuple[VllmConfig, KVCacheConfig]:
+                 groups: tuple[Group, ...] = FULL_ATTENTION) -> tuple[VllmConfig, KVCacheConfig]:
     """The configs vLLM's engine would build for ``model`` (a config directory is enough): a KV cache of
-    ``num_blocks`` blocks of ``block_size`` tokens, one KV cache group of two layers per entry of ``windows`` (None:
-    full attention, else a sliding window of that many tokens), and the named connector. ``num_spec_tokens`` turns
-    on ngram speculative decoding (no draft model needed); ``world_size`` is the tensor-parallel size."""
+    ``num_blocks`` blocks of ``block_size`` tokens, one KV cache group of two layers per entry of ``groups`` (full
+    attention or a sliding window; a group with blocks of its own size has as much fewer bytes per token, so that
+    every page has one size, as vLLM's ``unify_kv_cache_spec_page_size`` makes them), and the named connector.
+    ``num_spec_tokens`` turns on ngram speculative decoding (no draft model needed); ``world_size`` is the
+    tensor-parallel size."""
     speculative = (SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens, prompt_lookup_max=3,
                                      prompt_lookup_min=2) if num_spec_tokens else None)
     vllm_config = VllmConfig(
@@ -43,15 +48,18 @@ def make_configs(model: Path, num_blocks: int, connector: str, module: str | Non
                                             kv_load_failure_policy="recompute"),
         device_config=DeviceConfig("cpu"))
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    def spec(window: int | None) -> FullAttentionSpec | SlidingWindowSpec:
-        if window is None:
-            return FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
-        return SlidingWindowSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32,
-                                 sliding_window=window)
+    def spec(group: Group) -> FullAttentionSpec | SlidingWindowSpec:
+        size = group.block_size or block_size
+        if size % block_size or 32 % (size // block_size):
+            raise ValueError(f"a group's blocks of {size} tokens: not 1, 2, 4, ... 32 blocks of {block_size}")
+        shape = dict(block_size=size, num_kv_heads=2, head_size=32 * block_size // size, dtype=torch.float32)
+        if group.window is None:
+            return FullAttentionSpec(**shape)  # type: ignore[arg-type]
+        return SlidingWindowSpec(**shape, sliding_window=group.window)  # type: ignore[arg-type]
 
-    specs = [spec(window) for window in windows]
-    layers = [LAYERS] if len(windows) == 1 else [[f"model.layers.{i}.self_attn.attn" for i in (g, g + len(windows))]
-                                                 for g in range(len(windows))]
+    specs = [spec(group) for group in groups]
+    layers = [LAYERS] if len(groups) == 1 else [[f"model.layers.{i}.self_attn.attn" for i in (g, g + len(groups))]
+                                                for g in range(len(groups))]
     page = specs[0].page_size_bytes
     # As vLLM lays out a hybrid model: the groups overlay one allocation, a KVCacheTensor per group over all of it.
     kv_cache_config = KVCacheConfig(
@@ -64,16 +72,17 @@ def make_configs(model: Path, num_blocks: int, connector: str, module: str | Non
 def make_scheduler(model: Path, num_blocks: int, connector: str, module: str | None, extra: dict,
                    max_num_seqs: int = 16, max_num_batched_tokens: int = 256, async_scheduling: bool = False,
                    num_spec_tokens: int = 0, world_size: int = 1, log_stats: bool = False,
-                   windows: tuple[int | None, ...] = (None,)) -> Scheduler:
+                   groups: tuple[Group, ...] = FULL_ATTENTION) -> Scheduler:
     """vLLM's real Scheduler (``AsyncScheduler`` with ``async_scheduling``) over the configs of ``make_configs``
-    (``windows``: its KV cache groups), with the named connector on its scheduler side. ``log_stats`` keeps vLLM's
-    own prefix-cache statistics."""
+    (``groups``: its KV cache groups), with the named connector on its scheduler side, and the scheduler and hash
+    block sizes vLLM's engine gives it. ``log_stats`` keeps vLLM's own prefix-cache statistics."""
     vllm_config, kv_cache_config = make_configs(model, num_blocks, connector, module, extra,
                                                 max_num_seqs=max_num_seqs,
                                                 max_num_batched_tokens=max_num_batched_tokens,
                                                 num_spec_tokens=num_spec_tokens, world_size=world_size,
-                                                windows=windows)
+                                                groups=groups)
     scheduler_class = AsyncScheduler if async_scheduling else Scheduler
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     return scheduler_class(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                           structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK_SIZE,
-                           log_stats=log_stats)
+                           structured_output_manager=StructuredOutputManager(vllm_config),
+                           block_size=scheduler_block_size, hash_block_size=hash_block_size, log_stats=log_stats)

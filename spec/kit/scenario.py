@@ -37,7 +37,7 @@ class Scenario:
         c = self.config
         cache = "" if c.prefix_caching else " no-prefix-cache"
         timing = f"delay={self.delay}" if self.delay else "immediate"
-        groups = ",".join(str(g.window or "full") for g in c.groups)
+        groups = ",".join(map(str, c.groups))
         modes = "".join((" async" if c.async_scheduling else "", f" spec={c.num_spec_tokens}" * bool(c.num_spec_tokens),
                          f" workers={c.num_workers}" * (c.num_workers > 1), " broken-loads" * self.broken_loads,
                          f" groups={groups}" * (c.groups != FULL_ATTENTION)))

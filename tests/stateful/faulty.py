@@ -9,6 +9,7 @@ from __future__ import annotations
 from kvoffload.impl import OffloadConnector, OffloadTier
 from kvoffload.reference import LRUTier, ReferenceConnector
 from kvoffload.spec import SpecConnector
+from kvoffload.spec.groups import longest_hit
 from kvoffload.spec.types import WorkerOutput, group_key, offload_keys
 
 
@@ -229,6 +230,35 @@ class FailsLoadsByBlock(SpecConnector):
         return WorkerOutput(output.finished_sending, output.finished_recving, output.job_results)  # the bug
 
 
+class KeysEveryGroupPerHashBlock(SpecConnector):
+    """Groups with blocks of different sizes, keyed as if every block were ``Config.block_size`` tokens (the hash
+    block): a larger block is filed under the hash of a prefix it does not end, and its bytes serve the wrong
+    prefix."""
+
+    def _keys(self, request):
+        return [offload_keys(request.block_hashes, self.config.k)] * len(self.config.groups)  # the bug
+
+
+class HitsInsideALargerBlock(SpecConnector):
+    """A lookup that aligns hits to ``offload_block_size`` only, not to every group's offload blocks: a hit may end
+    inside a larger block of another group, which the load then skips (it is not whole), so the request resumes
+    on a block that holds no KV for the positions before the hit's end."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.requests[request.req_id] = request
+        if any(t.req_id == request.req_id for t in self.unfinished.values()):
+            return 0, False
+        per, sizes, keys = self.config.offload_block_size, self.config.offload_block_sizes, self._keys(request)
+        limit = min(request.num_tokens - 1, len(request.block_hashes) * self.config.block_size)
+
+        def cached(g, j):  # j: an offload block of `per` tokens; the tier holds its group's offload block around it
+            i = j * per // sizes[g]
+            return (i + 1) * sizes[g] <= num_computed_tokens or (
+                i < len(keys[g]) and self.tier.lookup([group_key(keys[g][i], g)]) == 1)
+        end = longest_hit(self.config.groups, [per] * len(sizes), limit, cached)  # the bug: [per], not sizes
+        return (end - num_computed_tokens, True) if end > num_computed_tokens else (0, False)
+
+
 # each hybrid variant, with the scenario (in scenarios.HYBRID_SCENARIOS) that triggers it
 HYBRID_VARIANTS = {
     FailsLoadsByBlock: "hybrid-k2-w5-full-delayed-failures",
@@ -236,4 +266,6 @@ HYBRID_VARIANTS = {
     LoadsNullBlocks: "hybrid-w4-full-immediate",
     HitsWithoutTheWindow: "hybrid-w4-full-immediate",
     SwapsGroups: "hybrid-w4-full-immediate",
+    KeysEveryGroupPerHashBlock: "hybrid-w8@4-full-delayed-failures",
+    HitsInsideALargerBlock: "hybrid-full@6-w5-full@4-tp2-no-prefix-cache",
 }

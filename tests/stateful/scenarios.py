@@ -41,7 +41,8 @@ ARC_SCENARIOS = {
         Config(num_gpu_blocks=12, tier_blocks=2, policy="arc", prefix_caching=False), delay=1),
 }
 
-# Hybrid models: KV cache groups of full attention and sliding windows (windows in tokens; block_size 2). A
+# Hybrid models: KV cache groups of full attention and sliding windows (windows in tokens; block_size 2, or a
+# group's own: vLLM enlarges the blocks of layers with fewer bytes per token, so that every page has one size). A
 # connector that declares GROUPS gets a block table per group; the others run with the hybrid manager off. A model
 # whose layers all slide (Mistral-style) keeps its one windowed group for every connector, as in vLLM.
 HYBRID_SCENARIOS = {
@@ -59,4 +60,15 @@ HYBRID_SCENARIOS = {
     "hybrid-full-w4-tp2-delayed-failures": Scenario(
         Config(num_gpu_blocks=24, tier_blocks=6, groups=(Group(), Group(4)), num_workers=2, prefix_caching=False),
         delay=1, failures=True),
+    "hybrid-w8@4-full-delayed-failures": Scenario(
+        Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(8, block_size=4), Group())), delay=1, failures=True),
+    "hybrid-full@4-w3-k2-async-spec2-no-prefix-cache": Scenario(
+        Config(num_gpu_blocks=28, offload_block_size=4, tier_blocks=8, groups=(Group(block_size=4), Group(3)),
+               async_scheduling=True, num_spec_tokens=2, prefix_caching=False), delay=1),
+    "hybrid-full-full@4-k2-delayed": Scenario(
+        Config(num_gpu_blocks=24, offload_block_size=4, tier_blocks=8, groups=(Group(), Group(block_size=4))),
+        delay=2),
+    "hybrid-full@6-w5-full@4-tp2-no-prefix-cache": Scenario(
+        Config(num_gpu_blocks=36, tier_blocks=24, groups=(Group(block_size=6), Group(5), Group(block_size=4)),
+               num_workers=2, prefix_caching=False), delay=1, failures=True),
 }

@@ -24,6 +24,9 @@ CONNECTORS = [(SpecConnector, ListKV), (ReferenceConnector, TensorKV), (OffloadC
     (dict(policy="mru"), "unknown eviction policy"),
     (dict(groups=()), "groups must be one or more Group"),
     (dict(groups=("sliding",)), "groups must be one or more Group"),
+    (dict(block_size=2, groups=(Group(block_size=4), Group(8, block_size=8))),
+     r"block_size \(2 tokens per block hash\) must be the greatest common divisor .* \[4, 8\]"),
+    (dict(block_size=2, groups=(Group(block_size=4),)), "greatest common divisor"),
 ])
 def test_invalid_configuration(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -33,6 +36,12 @@ def test_invalid_configuration(kwargs, message):
 def test_a_sliding_window_spans_two_tokens_at_least():
     with pytest.raises(ConfigError, match="at least 2 tokens, got 1"):
         Group(1)
+
+
+@pytest.mark.parametrize("size", [0, -4, 2.5])
+def test_a_groups_block_size_is_a_positive_integer(size):
+    with pytest.raises(ConfigError, match=f"block_size must be a positive integer, got {size}"):
+        Group(block_size=size)
 
 
 def output_with(sched: ScheduledRequest) -> SchedulerOutput:

@@ -11,8 +11,8 @@
   behind its own transfer executor (the environment delays, reorders and fails each worker's transfers
   independently). Their ``ModelRunnerOutput`` are merged by vLLM's own ``KVOutputAggregator``.
 * **Weight updates**: ``reset_prefix_cache(reset_connector=True)`` mid-run.
-* **Hybrid models**: ``windows`` gives the KV cache groups (full attention, sliding windows); vLLM's
-  ``HybridKVCacheCoordinator`` then frees a window's old blocks while requests run.
+* **Hybrid models**: ``groups`` gives the KV cache groups (full attention, sliding windows, blocks of several
+  sizes); vLLM's ``HybridKVCacheCoordinator`` then frees a window's old blocks while requests run.
 
 Everything vLLM-side is vLLM's real class: ``Request`` with a block hasher, ``SchedulerOutput`` from the
 scheduler, ``ModelRunnerOutput``, ``KVConnectorOutput``, ``DraftTokenIds``. The shadow monitor checks the scheduler
@@ -40,6 +40,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from kvoffload.impl.testing import LayeredKV  # noqa: E402
 from kvoffload.impl.vllm_connector import KVOffloadConnector  # noqa: E402
 from kvoffload.impl.testing.harness import BLOCK_SIZE, make_scheduler  # noqa: E402
+from kvoffload.spec.groups import FULL_ATTENTION, Group  # noqa: E402
 from kvoffload.spec.world import Executor  # noqa: E402
 
 VOCAB = 512
@@ -89,12 +90,12 @@ class Engine:
 
     def __init__(self, model: Path, seed: int, *, async_scheduling: bool = False, spec_tokens: int = 0,
                  workers: int = 1, num_blocks: int = 48, tier_bytes: int = 512 << 10, delay: int = 2,
-                 failures: float = 0.2, reorder: bool = True, windows: tuple[int | None, ...] = (None,)) -> None:
+                 failures: float = 0.2, reorder: bool = True, groups: tuple[Group, ...] = FULL_ATTENTION) -> None:
         self.rnd = random.Random(seed)
         self.scheduler = make_scheduler(model, num_blocks, "KVOffloadConnector", "kvoffload.impl.vllm_connector",
                                         {"tier_bytes": tier_bytes, "verify": True}, async_scheduling=async_scheduling,
                                         num_spec_tokens=spec_tokens, world_size=workers, log_stats=True,
-                                        windows=windows)
+                                        groups=groups)
         self.connector = self.scheduler.connector
         self.workers = [Worker(self.scheduler, random.Random(self.rnd.random()), delay, failures, reorder)
                         for _ in range(workers)]
@@ -103,7 +104,7 @@ class Engine:
         self.async_scheduling, self.spec_tokens = async_scheduling, spec_tokens
         self.batches: deque[tuple[Any, ModelRunnerOutput]] = deque()  # scheduled and executed, output not applied
         init_none_hash(sha256)
-        self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self.hasher = get_request_block_hasher(self.scheduler.hash_block_size, sha256)  # as the engine core hashes
         self.systems = [[self.rnd.randrange(VOCAB) for _ in range(BLOCK_SIZE * self.rnd.randrange(2, 6))]
                         for _ in range(3)]
         self.next_id = 0

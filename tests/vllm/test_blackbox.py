@@ -73,7 +73,8 @@ def test_connectors_conform_under_async_scheduling_and_drafts(factory, name, rec
     assert coverage.invariants["SRC"] and coverage.invariants["CONTENT"]
 
 
-HYBRID = {  # KV cache groups of full attention and sliding windows (tokens; 2-token blocks), or one window alone
+HYBRID = {  # KV cache groups of full attention and sliding windows (tokens; 2-token blocks, or a group's own size
+    # after @: vLLM's equal pages), or one window alone
     "w4-full": Scenario(Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(4), Group()))),
     "w4-only-delayed": Scenario(Config(num_gpu_blocks=16, tier_blocks=6, groups=(Group(4),)), delay=1),
     "k2-w5-full-delayed-failures": Scenario(Config(num_gpu_blocks=24, offload_block_size=4, tier_blocks=6,
@@ -82,6 +83,10 @@ HYBRID = {  # KV cache groups of full attention and sliding windows (tokens; 2-t
                                                   groups=(Group(), Group(6), Group(3))), delay=1),
     "w6-full-async-spec2": Scenario(Config(num_gpu_blocks=28, tier_blocks=8, groups=(Group(6), Group()),
                                            async_scheduling=True, num_spec_tokens=2), delay=1),
+    "w8@4-full-delayed": Scenario(Config(num_gpu_blocks=24, tier_blocks=10, groups=(Group(8, block_size=4), Group())),
+                                  delay=1),
+    "k2-full@4-w3-no-prefix-cache": Scenario(Config(num_gpu_blocks=28, offload_block_size=4, tier_blocks=10,
+                                                    groups=(Group(block_size=4), Group(3)), prefix_caching=False)),
 }
 
 
@@ -307,6 +312,8 @@ def test_the_hunt_runs_hybrid_models(tmp_path, capsys):
     from kvoffload.impl.testing.blackbox.__main__ import groups_of, main
 
     assert groups_of("4,full") == (Group(4), Group())
+    assert groups_of("8@4,full") == (Group(8, block_size=4), Group())
+    assert ",".join(map(str, groups_of("8@4,full@2,6"))) == "8@4,full@2,6"
     assert main(["--profile", "pr", "--examples", "2", "--chunk-blocks", "2", "--groups", "4,full",
                  "--traces", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -79,24 +79,35 @@ def test_a_tier_of_exactly_one_offload_block_is_enough(model):
     assert config_for(model, tier_bytes=BLOCK_SIZE * TOKEN_BYTES).tier_blocks == 1
 
 
-def hybrid_config_for(model, windows, **extra):
-    return config_from_vllm(*make_configs(model, 32, CONNECTOR, MODULE, extra, windows=windows))
+def hybrid_config_for(model, groups, **extra):
+    return config_from_vllm(*make_configs(model, 32, CONNECTOR, MODULE, extra, groups=groups))
 
 
 def test_a_hybrid_models_groups_are_read(model):
     """Full attention and sliding windows, in vLLM's group order; the groups overlay one allocation, so an offload
     block is as large as one group's layers, not all of them."""
-    config = hybrid_config_for(model, (64, None, 32), tier_bytes=1 << 20)
-    assert config.groups == (Group(64), Group(), Group(32))
+    config = hybrid_config_for(model, (Group(64), Group(), Group(32)), tier_bytes=1 << 20)
+    assert config.groups == (Group(64, BLOCK_SIZE), Group(block_size=BLOCK_SIZE), Group(32, BLOCK_SIZE))
+    assert config.block_size == BLOCK_SIZE and config.hybrid
     assert config.tier_blocks == (1 << 20) // (BLOCK_SIZE * TOKEN_BYTES)
 
 
+def test_groups_of_several_block_sizes_are_read(model):
+    """A group with larger blocks (fewer bytes per token: one page size) keeps its size; block hashes come every
+    BLOCK_SIZE tokens, the greatest common divisor; an offload block is k blocks of each group's own size."""
+    config = hybrid_config_for(model, (Group(64, 2 * BLOCK_SIZE), Group(), Group(block_size=4 * BLOCK_SIZE)),
+                               offload_block_size=2 * BLOCK_SIZE, tier_bytes=1 << 20)
+    assert config.block_sizes == (2 * BLOCK_SIZE, BLOCK_SIZE, 4 * BLOCK_SIZE) and config.block_size == BLOCK_SIZE
+    assert config.offload_block_sizes == (4 * BLOCK_SIZE, 2 * BLOCK_SIZE, 8 * BLOCK_SIZE)
+    assert config.tier_blocks == (1 << 20) // (2 * BLOCK_SIZE * TOKEN_BYTES)  # every page has one size
+
+
 def test_a_model_whose_layers_all_slide_keeps_its_window(model):
-    assert hybrid_config_for(model, (48,)).groups == (Group(48),)
+    assert hybrid_config_for(model, (Group(48),)).groups == (Group(48, BLOCK_SIZE),)
 
 
 def test_a_group_of_another_kind_is_one_clear_error(model):
-    vllm_config, kv_cache_config = make_configs(model, 32, CONNECTOR, MODULE, {}, windows=(None, 64))
+    vllm_config, kv_cache_config = make_configs(model, 32, CONNECTOR, MODULE, {}, groups=(Group(), Group(64)))
     chunked = ChunkedLocalAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32,
                                         attention_chunk_size=64)
     kv_cache_config.kv_cache_groups[1] = replace(kv_cache_config.kv_cache_groups[1], kv_cache_spec=chunked)
@@ -105,9 +116,17 @@ def test_a_group_of_another_kind_is_one_clear_error(model):
         config_from_vllm(vllm_config, kv_cache_config)
 
 
-def test_groups_of_different_block_sizes_are_one_clear_error(model):
-    vllm_config, kv_cache_config = make_configs(model, 32, CONNECTOR, MODULE, {}, windows=(None, 64))
-    group = kv_cache_config.kv_cache_groups[1]
-    kv_cache_config.kv_cache_groups[1] = replace(group, kv_cache_spec=replace(group.kv_cache_spec, block_size=32))
-    with pytest.raises(ConfigError, match=re.escape("KV cache groups with different block sizes [16, 32]")):
+def test_hashes_finer_than_every_groups_blocks_are_one_clear_error(model):
+    """vLLM may hash every ``prefix_match_unit`` tokens, finer than the groups' blocks: not supported, said so."""
+    vllm_config, kv_cache_config = make_configs(model, 32, CONNECTOR, MODULE, {},
+                                                groups=(Group(block_size=2 * BLOCK_SIZE), Group(64)))
+    vllm_config.cache_config.prefix_match_unit = BLOCK_SIZE // 2
+    with pytest.raises(ConfigError, match=re.escape(f"KV cache groups with block sizes [{2 * BLOCK_SIZE}, "
+                                                    f"{BLOCK_SIZE}] hashed every {BLOCK_SIZE // 2} tokens")):
         config_from_vllm(vllm_config, kv_cache_config)
+
+
+def test_an_offload_block_of_a_fraction_of_the_smallest_block_is_one_clear_error(model):
+    with pytest.raises(ConfigError, match=re.escape(f"offload_block_size=24 tokens is not a multiple of the "
+                                                    f"engine's block size ({BLOCK_SIZE} tokens, per block hash)")):
+        hybrid_config_for(model, (Group(block_size=2 * BLOCK_SIZE), Group(64)), offload_block_size=24)

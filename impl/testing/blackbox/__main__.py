@@ -2,7 +2,7 @@
 
 ``python -m kvoffload.impl.testing.blackbox [--connector vllm|ours] [--examples N] [--groups 4,full ...]``, against
 the installed vLLM. ``--groups`` runs models of several KV cache groups: each argument lists a model's groups, a
-sliding window's size in tokens or ``full``."""
+sliding window's size in tokens or ``full``, each optionally with ``@`` and its own block size (``8@4,full``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,12 @@ from . import kvoffload_connector, vllm_offloading_connector
 
 
 def groups_of(spec: str) -> tuple[Group, ...]:
-    """``"4,full"`` -> ``(Group(4), Group())``: a model's KV cache groups, a window in tokens or full attention."""
-    return tuple(Group() if part == "full" else Group(int(part)) for part in spec.split(","))
+    """``"4,full@4"`` -> ``(Group(4), Group(block_size=4))``: a model's KV cache groups as ``str(Group)`` writes
+    them, a window in tokens or full attention, and a block size of its own after ``@``."""
+    def group(part: str) -> Group:
+        kind, _, size = part.partition("@")
+        return Group(None if kind == "full" else int(kind), int(size) if size else None)
+    return tuple(map(group, spec.split(",")))
 
 
 def main(argv: list[str] | None = None) -> int:

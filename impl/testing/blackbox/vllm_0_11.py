@@ -79,10 +79,10 @@ class Release:
         if status == "preempted":
             vreq.num_computed_tokens = 0
 
-    def blocks(self, vreq: Any, tables: list[list[int]], num_cached: int) -> Any:
+    def blocks(self, vreq: Any, tables: list[list[int]], cached: list[list[Any]]) -> Any:
         (block_ids,) = tables  # 0.11 has no hybrid models for a connector
         blocks = [KVCacheBlock(b) for b in block_ids]
-        for block, block_hash in zip(blocks[:num_cached], vreq.block_hashes):  # the GPU prefix hit
+        for block, block_hash in zip(blocks, cached[0]):  # the GPU prefix hit
             block.block_hash = make_block_hash_with_group_id(block_hash, 0)
         return KVCacheBlocks((blocks,))
 

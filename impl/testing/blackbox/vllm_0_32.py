@@ -85,13 +85,13 @@ class Release:
         if status == "preempted":
             vreq.num_computed_tokens = 0
 
-    def blocks(self, vreq: Any, tables: list[list[int]], num_cached: int) -> Any:
+    def blocks(self, vreq: Any, tables: list[list[int]], cached: list[list[Any]]) -> Any:
         groups = []
         for g, block_ids in enumerate(tables):
             blocks = [KVCacheBlock(b) for b in block_ids]
             for block in blocks:
                 block.is_null = block.block_id == 0  # where a sliding window needs no block
-            for block, block_hash in zip(blocks[:num_cached], vreq.block_hashes):  # the GPU prefix hit
+            for block, block_hash in zip(blocks, cached[g]):  # the GPU prefix hit
                 if not block.is_null:
                     block.set_block_hash(make_block_hash_with_group_id(block_hash, g))
             groups.append(blocks)
@@ -147,20 +147,20 @@ class Release:
         model = build_tiny_llama(Path(os.environ.get("KVOFFLOAD_MODEL_DIR", ".cache/tiny-llama")))
         vllm_config, kv_cache_config = make_configs(model, config.num_gpu_blocks + NULL_BLOCKS, name, module, {},
                                                     block_size=config.block_size,
-                                                    windows=tuple(g.window for g in config.groups))
+                                                    groups=config.groups)
         block_bytes = kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes * len(LAYERS)
         assert vllm_config.kv_transfer_config is not None  # make_configs always names the connector
         vllm_config.kv_transfer_config.kv_connector_extra_config.update(extra(block_bytes))
         return KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
     def offloading_connector(self, config: Config) -> BlackBox:
-        """vLLM's ``OffloadingConnector`` with its real CPU manager, sized from the config (``offload_block_size``
-        tokens per CPU chunk, ``tier_blocks`` chunks, eviction ``policy``), store refusals injected at its manager
+        """vLLM's ``OffloadingConnector`` with its real CPU manager, sized from the config (``k`` GPU blocks per CPU
+        chunk, ``tier_blocks`` chunks, eviction ``policy``), store refusals injected at its manager
         (the manager contract: None means no room), for the request its ``ReqContext`` names."""
         align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
         connector = self.create(config, "OffloadingConnector", None, lambda block_bytes: {
             "cpu_bytes_to_use": -(-block_bytes * config.k // align) * align * config.tier_blocks,
-            "eviction_policy": config.policy, "block_size": config.offload_block_size})
+            "eviction_policy": config.policy, "blocks_per_chunk": config.k})  # k blocks of each group's own size
         manager = connector.scheduler.manager
         prepare_store = manager.prepare_store
         refusing: set[str] = set()
