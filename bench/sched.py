@@ -5,8 +5,9 @@ records every scheduler-side call (lookups, allocations, batches, transfer resul
 replayed through the reference and the production connector in this process, timing only the connector's own
 calls. Prints µs per step and µs per changed block (GPU block ids the batch hands the connector); last line:
 ``sched_ratio_vs_reference=<impl/reference>``, the worse of the ratios at 256 and 1024 live requests.
+``--groups`` runs a hybrid model instead (KV cache groups as ``str(Group)`` writes them: ``512,full@32``).
 
-    python bench/sched.py [--steps 60] [--live 16 64 256 1024]
+    python bench/sched.py [--steps 60] [--live 16 64 256 1024] [--groups 512,full]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from attrs import define
 from kvoffload.impl import OffloadConnector
 from kvoffload.reference import ReferenceConnector
 from kvoffload.spec import Config, Executor, ListKV, SpecConnector, World
+from kvoffload.spec.groups import FULL_ATTENTION, Group, parse_groups
 
 REQUEST_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished")
 CALLS = (*REQUEST_CALLS, "build_connector_meta", "update_connector_output")
@@ -60,14 +62,15 @@ class Recorder:
                 for r in self.world.requests.values()}
 
 
-def record_trace(live: int, steps: int, seed: int = 0) -> tuple[Config, list, int, dict[str, list[int]]]:
+def record_trace(live: int, steps: int, groups: tuple[Group, ...] = FULL_ATTENTION,
+                 seed: int = 0) -> tuple[Config, list, int, dict[str, list[int]]]:
     """The whole trace, and where its last ``steps`` steps (the measured part) begin."""
-    config = Config(num_gpu_blocks=live * 40, block_size=16, offload_block_size=16, tier_blocks=live * 24,
-                    token_budget=live + 4096)
+    config = Config(num_gpu_blocks=live * 40 * len(groups), block_size=16, offload_block_size=16,
+                    tier_blocks=live * 24 * len(groups), token_budget=live + 4096, groups=groups)
     rnd = random.Random(seed)
     prefixes = [[rnd.randrange(3) for _ in range(256)] for _ in range(8)]
     connector = SpecConnector(config)
-    world = World(config, connector, ListKV(config.num_gpu_blocks), Executor(delay=1))
+    world = World(config, connector, ListKV(config.num_gpu_blocks), Executor(delay=1), grouped=config.hybrid)
     recorder = Recorder(connector, world)
     world.connector = recorder
     hashes: dict[str, list[int]] = {}
@@ -106,7 +109,7 @@ def replay(connector_class: type, config: Config, trace: list, measured_from: in
             method(*args)
             continue
         if name == "build_connector_meta":
-            changed += sum(len(s.block_ids or ()) for s in args[0].scheduled)
+            changed += sum(len(table) for s in args[0].scheduled for table in s.group_block_ids or (s.block_ids or (),))
         start = time.perf_counter()
         method(*args)
         spent += time.perf_counter() - start
@@ -117,13 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="scheduler-side cost, production vs reference")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--live", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--groups", type=parse_groups, default=FULL_ATTENTION,
+                        help="the model's KV cache groups, e.g. 512,full@32 (default: full)")
     args = parser.parse_args(argv)
     ratios = {}
     print(f"{'live':>6} {'steps':>6} {'changed':>8} {'ref µs/step':>12} {'impl µs/step':>13} "
           f"{'ref µs/blk':>11} {'impl µs/blk':>12} {'impl/ref':>9}")
     for live in args.live:
         print(f"  recording {args.steps} steps with {live} live requests...", file=sys.stderr, flush=True)
-        config, trace, measured_from, hashes = record_trace(live, args.steps)
+        config, trace, measured_from, hashes = record_trace(live, args.steps, args.groups)
         ref, changed = min(replay(ReferenceConnector, config, trace, measured_from, hashes) for _ in range(3))
         impl, _ = min(replay(OffloadConnector, config, trace, measured_from, hashes) for _ in range(3))
         ratios[live] = impl / ref

@@ -59,6 +59,19 @@ class Group:
         return range(self.skipped_blocks(num_tokens, block_size), -(-num_tokens // block_size))
 
 
+def parse_groups(text: str) -> tuple[Group, ...]:
+    """A model's KV cache groups as ``str(Group)`` writes them, comma-separated: ``"4,full@4"`` is
+    ``(Group(4), Group(block_size=4))``, a window in tokens or full attention, a block size of its own after ``@``."""
+    def group(part: str) -> Group:
+        kind, at, size = part.strip().partition("@")
+        try:
+            return Group(None if kind == "full" else int(kind), int(size) if at else None)
+        except ValueError:
+            _refuse(f"cannot read KV cache group {part!r}: a window in tokens or 'full', then optionally @block_size")
+            raise
+    return tuple(map(group, text.split(",")))
+
+
 def _refuse(message: str) -> None:
     from .config import ConfigError  # config.py imports this module
     raise ConfigError(message)

@@ -241,3 +241,25 @@ def test_a_failed_load_behind_a_window_starts_the_request_over():
     state.fail_next_transfer(worker=0)
     state.teardown()  # drains: the failed load lands
     assert state.subject.stats["failed_transfers"]
+
+
+def test_the_production_connector_stores_every_group_of_a_model_without_windows():
+    """Found while adding groups of several block sizes: with several full-attention groups and no window, the
+    production scheduler took its one-group fast paths, storing and looking up group 0 only ('events differ' at
+    step 1 against the spec). Fixed: the fast paths serve a model of one plain group only."""
+    from kvoffload.impl import OffloadConnector
+    from kvoffload.impl.testing import LayeredKV
+    from kvoffload.spec.groups import Group
+    from kvoffload.spec.kit import Scenario, make_machine
+
+    scenario = Scenario(Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(), Group()), prefix_caching=False))
+    state = make_machine(OffloadConnector, scenario, "exact", LayeredKV)()
+    prompt = [1, 1, 0, 0, 1, 1, 2, 2, 0]
+    state.add_requests(batch=[(prompt, 1)])
+    state.step(n=3)
+    state.add_requests(batch=[(prompt, 1)])
+    state.step(n=3)
+    state.invariants_hold()
+    stats = state.subject.stats
+    state.teardown()
+    assert stats["blocks_stored"] == 8 and stats["blocks_loaded"] == 4  # 4 blocks of each group; 4 positions

@@ -7,7 +7,7 @@ from __future__ import annotations
 from kvoffload.impl import OffloadConnector
 from kvoffload.spec.types import TransferPlan
 from kvoffload.impl.transfer import InlineExecutor
-from kvoffload.impl.testing.blackbox import BlackBox, vllm_offloading_connector
+from kvoffload.impl.testing.blackbox import vllm_offloading_past_known
 from kvoffload.impl.vllm_connector import KVOffloadConnector
 
 
@@ -99,34 +99,14 @@ class _ReportsFailures(ChangedReader):
     failures = True
 
 
-class OneResetBetweenSteps(BlackBox):
-    """vLLM's OffloadingConnector asserts when it is reset twice with no engine step in between (known divergence
-    'reset-twice-between-steps'). A caller that resets at most once between steps, so every other check runs."""
-
-    reset_since_step = False
-
-    def build_connector_meta(self, scheduler_output):
-        self.reset_since_step = False
-        return super().build_connector_meta(scheduler_output)
-
-    def reset_cache(self) -> bool:
-        if not self.reset_since_step:
-            self.reset_since_step = True
-            return super().reset_cache()
-        return True
-
-
 def vllm_offloading(config):
     """vLLM's OffloadingConnector in black-box mode, short of its known divergences."""
-    box = vllm_offloading_connector(config)
-    return OneResetBetweenSteps(config, box.connector, box.reader, box.vllm, refuse=box.refuse_next_store)
+    return vllm_offloading_past_known(config)
 
 
 def vllm_offloading_with_failures(config):
     """vLLM's OffloadingConnector in black-box mode, with transfer failures injected (known divergence)."""
-    box = vllm_offloading_connector(config)
-    return OneResetBetweenSteps(config, box.connector, _ReportsFailures(box.reader), box.vllm,
-                                refuse=box.refuse_next_store)
+    return vllm_offloading_past_known(config, _ReportsFailures)
 
 
 class SwapsGroupsConnector(KVOffloadConnector):

@@ -336,6 +336,33 @@ def vllm_offloading_connector(config: Config, vllm: Release | None = None) -> Bl
     return (vllm or release()).offloading_connector(config)
 
 
+class OneResetBetweenSteps(BlackBox):
+    """vLLM's OffloadingConnector asserts when it is reset twice with no engine step in between (known divergence
+    'reset-twice-between-steps'). A caller that resets it at most once between steps, so every other check runs:
+    the hunt's ``--past-known``, and the tests' ``vllm_offloading``."""
+
+    reset_since_step = False
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        self.reset_since_step = False
+        return super().build_connector_meta(scheduler_output)
+
+    def reset_cache(self) -> bool:
+        if not self.reset_since_step:
+            self.reset_since_step = True
+            return super().reset_cache()
+        return True
+
+
+def vllm_offloading_past_known(config: Config, transfers: Callable[[Transfers], Transfers] | None = None) -> BlackBox:
+    """A kit factory: vLLM's ``OffloadingConnector`` as ``vllm_offloading_connector`` makes it, short of its known
+    divergences (``transfers`` may change its metadata reader)."""
+    box = vllm_offloading_connector(config)
+    reader = transfers(box.reader) if transfers else box.reader
+    refuse = getattr(box, "refuse_next_store", None)  # set where the release's manager can refuse
+    return OneResetBetweenSteps(config, box.connector, reader, box.vllm, refuse=refuse)
+
+
 def kvoffload_connector(config: Config, name: str = "KVOffloadConnector",
                         module: str = "kvoffload.impl.vllm_connector", vllm: Release | None = None) -> BlackBox:
     """A kit factory: our own vLLM connector (or a subclass, by name and module) in black-box mode."""

@@ -1,6 +1,7 @@
 """The hunt: a vLLM connector through the kit over a grid of configurations, one line per configuration.
 
-``python -m kvoffload.impl.testing.blackbox [--connector vllm|ours] [--examples N] [--groups 4,full ...]``, against
+``python -m kvoffload.impl.testing.blackbox [--connector vllm|ours] [--past-known] [--examples N] [--groups 4,full
+...]``, against
 the installed vLLM. ``--groups`` runs models of several KV cache groups: each argument lists a model's groups, a
 sliding window's size in tokens or ``full``, each optionally with ``@`` and its own block size (``8@4,full``)."""
 
@@ -8,18 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvoffload.spec import Config, Group, Violation
+from kvoffload.spec import Config, Violation
+from kvoffload.spec.groups import parse_groups
 
-from . import kvoffload_connector, vllm_offloading_connector
-
-
-def groups_of(spec: str) -> tuple[Group, ...]:
-    """``"4,full@4"`` -> ``(Group(4), Group(block_size=4))``: a model's KV cache groups as ``str(Group)`` writes
-    them, a window in tokens or full attention, and a block size of its own after ``@``."""
-    def group(part: str) -> Group:
-        kind, _, size = part.partition("@")
-        return Group(None if kind == "full" else int(kind), int(size) if size else None)
-    return tuple(map(group, spec.split(",")))
+from . import kvoffload_connector, vllm_offloading_connector, vllm_offloading_past_known
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,15 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="vLLM connectors through the kvoffload kit, in black-box mode")
     parser.add_argument("--connector", choices=("vllm", "ours"), default="vllm",
                         help="vLLM's OffloadingConnector, or our KVOffloadConnector")
+    parser.add_argument("--past-known", action="store_true",
+                        help="drive vLLM's connector short of its known divergences (one reset between steps), "
+                             "so that they do not hide other findings")
     parser.add_argument("--profile", default="nightly", help="Hypothesis profile (pr, nightly, mutation)")
     parser.add_argument("--examples", type=int, default=150, help="programs per configuration")
     parser.add_argument("--chunk-blocks", type=int, nargs="+", default=[1, 2, 3], help="GPU blocks per CPU chunk")
-    parser.add_argument("--groups", type=groups_of, nargs="+", default=[groups_of("full")],
+    parser.add_argument("--groups", type=parse_groups, nargs="+", default=[parse_groups("full")],
                         help="models to run, each its KV cache groups: e.g. full (the default), 4,full, 4")
     parser.add_argument("--traces", type=Path, default=Path("kvoffload-traces"))
     args = parser.parse_args(argv)
     logging.getLogger("vllm").setLevel(logging.ERROR)  # the hunt's own lines, not vLLM's warnings
-    factory = vllm_offloading_connector if args.connector == "vllm" else kvoffload_connector
+    factory = kvoffload_connector if args.connector == "ours" else (
+        vllm_offloading_past_known if args.past_known else vllm_offloading_connector)
     grid = list(itertools.product(args.groups, args.chunk_blocks, (0, 1, 3), (1, 3, 8), (True, False),
                                   ("lru", "arc")))
     findings: dict[str, list[str]] = {}  # by kind: safety, liveness, connector error, ...
