@@ -60,7 +60,7 @@ def ours_worker(scheduler):
 
     def complete(so):
         meta = so.kv_connector_metadata
-        worker.handle_preemptions(meta.preempted)
+        worker.handle_preemptions(meta.plan)
         worker.start_load_kv(meta.plan)
         worker.wait_for_save(meta.plan)
         done = worker.get_finished(frozenset(so.finished_req_ids))

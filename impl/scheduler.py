@@ -66,6 +66,7 @@ class OffloadScheduler:
         self.unfinished: dict[int, Transfer] = {}  # built, not yet reported by every worker
         self._pending_loads: list[Transfer] = []  # for the next plan
         self._delayed: set[str] = set()  # request_finished delayed their free since the last plan
+        self._flush_next: set[int] = set()  # stores reading blocks freed at a finish, for the next plan
         self.refusing: set[str] = set()  # fault injection: the tier refuses these requests' next store
         self.origin: dict[int, tuple[int, int]] = {}  # a later group's tier key -> (block hash, group): for events
         self._leaving: set[int] = set()  # keys that left the tier: their origins go once no unread event names them
@@ -168,13 +169,15 @@ class OffloadScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
         plan = TransferPlan(self._pending_loads, delayed=frozenset(self._delayed))
-        self._pending_loads, self._delayed = [], set()
-        for req_id in scheduler_output.preempted_req_ids:
+        flush, self._pending_loads, self._delayed, self._flush_next = self._flush_next, [], set(), set()
+        preempted = scheduler_output.preempted_req_ids
+        if preempted:  # their stores finish before the forward pass may write their blocks for someone else
+            flush |= {t.job_id for t in self.unfinished.values() if t.kind == "store" and t.req_id in preempted}
+        for req_id in preempted:
             state = self.requests.get(req_id)
             if state is not None:  # else it finished since it was preempted
                 state.block_tables, state.cursor = [[] for _ in self.windows], 0
         requests, size, hybrid, windowed = self.requests, self.offload_size, self.hybrid, self.windowed
-        flush: set[int] = set()
         for sched in scheduler_output.scheduled:  # the hot loop: most requests only decode a token
             state = requests.get(sched.req_id) or self._state(sched.req_id)
             if windowed:
@@ -304,6 +307,10 @@ class OffloadScheduler:
         self.refusing.discard(request.req_id)
         if state.unfinished_stores:  # stores still read its blocks (a load in flight: the engine holds them itself)
             self._delayed.add(request.req_id)
+            if self.windowed:  # the engine freed a window's blocks as it finished: their stores flush before reuse
+                held = {b for table in self._tables(block_ids) for b in table}
+                self._flush_next |= {t.job_id for t in self.unfinished.values() if t.req_id == request.req_id
+                                     and t.kind == "store" and not held.issuperset(t.gpu_blocks)}
         return state.unfinished_stores > 0
 
     def reset_cache(self) -> bool:

@@ -58,7 +58,6 @@ COUNTERS = ("lookups", "hit_tokens", "engine_hit_tokens", "stored_blocks", "load
 @dataclass
 class KVOffloadMetadata(KVConnectorMetadata):
     plan: TransferPlan
-    preempted: frozenset[str]
 
 
 @dataclass
@@ -305,7 +304,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         plan = self.offload.build_connector_meta(neutral)
         if self.shadow:
             self.shadow.batch(neutral)
-        return KVOffloadMetadata(plan, neutral.preempted_req_ids)
+        return KVOffloadMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -404,8 +403,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return metadata
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM calls it before the forward pass (and start_load_kv after it): the plan's flushes happen here."""
         assert isinstance(kv_connector_metadata, KVOffloadMetadata)
-        self.offload.handle_preemptions(kv_connector_metadata.preempted)
+        self.offload.handle_preemptions(kv_connector_metadata.plan)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.offload.start_load_kv(self._metadata().plan)

@@ -21,7 +21,6 @@ class OffloadWorker:
         self.executor: Any = None
         self.submitted: dict[int, Transfer] = {}  # submitted, not yet polled
         self.pending: Counter[str] = Counter()  # request -> transfers submitted, not yet reported
-        self.stores_of: dict[str, set[int]] = {}  # request -> store job ids in flight (for preemption flushes)
         self.draining: set[str] = set()  # finished requests whose transfers have not all completed
         self.load_errors: set[int] = set()  # GPU blocks of failed loads, not yet reported
         self.bytes = {"store": 0, "load": 0}
@@ -39,14 +38,12 @@ class OffloadWorker:
     def copier(self) -> Copier:
         return registered(self._copier, "copier")
 
-    def handle_preemptions(self, req_ids: frozenset[str]) -> None:
-        jobs = set().union(*(self.stores_of.get(r, ()) for r in req_ids))
-        if jobs:
-            self.executor.flush(jobs)
+    def handle_preemptions(self, metadata: TransferPlan) -> None:
+        """Before the forward pass: the stores of blocks it may write for another request finish first."""
+        if metadata.flush:
+            self.executor.flush(set(metadata.flush))
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
-        if metadata.flush:  # stores of blocks a sliding window left behind (hybrid models)
-            self.executor.flush(set(metadata.flush))
         self.draining |= metadata.delayed
         for load in metadata.loads:
             self._submit(load)
@@ -61,8 +58,6 @@ class OffloadWorker:
         run = self.copier.plan(transfer.kind, blocks, np.asarray(transfer.host_rows, dtype=np.int64))
         self.submitted[transfer.job_id] = transfer
         self.pending[transfer.req_id] += 1
-        if transfer.kind == "store":
-            self.stores_of.setdefault(transfer.req_id, set()).add(transfer.job_id)
         self.executor.submit(Job(transfer.job_id, transfer.req_id, transfer.kind, tuple(transfer.copies), run))
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
@@ -87,11 +82,6 @@ class OffloadWorker:
         self.pending[transfer.req_id] -= 1
         if not self.pending[transfer.req_id]:
             del self.pending[transfer.req_id]
-        if transfer.kind == "store":
-            stores = self.stores_of[transfer.req_id]
-            stores.discard(transfer.job_id)
-            if not stores:
-                del self.stores_of[transfer.req_id]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

@@ -77,6 +77,7 @@ class ReferenceConnector:
         self._reports: defaultdict[int, list[bool]] = defaultdict(list)  # job id -> each worker's success so far
         self._pending_loads: list[Transfer] = []  # for the next plan
         self._delayed: set[str] = set()  # request_finished delayed their free since the last plan
+        self._flush_next: set[int] = set()  # stores reading blocks freed at a finish, for the next plan
         self.refusing: set[str] = set()  # fault injection: the tier refuses these requests' next store
         self._job_ids = itertools.count()
         # worker side
@@ -152,14 +153,19 @@ class ReferenceConnector:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
         plan = TransferPlan(loads=self._pending_loads, delayed=frozenset(self._delayed))
-        self._pending_loads, self._delayed = [], set()
+        flush = self._flush_next | self._stores_of(scheduler_output.preempted_req_ids)
+        self._pending_loads, self._delayed, self._flush_next = [], set(), set()
         for req_id in scheduler_output.preempted_req_ids:
             if req_id in self._block_tables:  # else it finished since it was preempted
                 self._block_tables[req_id] = [[] for _ in self.groups]
                 self._rewind(req_id)
-        flush = self._collect_stores(scheduler_output, plan)
+        flush |= self._collect_stores(scheduler_output, plan)
         plan.flush = frozenset(flush)
         return plan
+
+    def _stores_of(self, req_ids: frozenset[str]) -> set[int]:
+        """The unfinished stores of these requests (preempted: they finish before their blocks are reused)."""
+        return {t.job_id for t in self._unfinished.values() if t.kind == "store" and t.req_id in req_ids}
 
     def _collect_stores(self, scheduler_output: SchedulerOutput, plan: TransferPlan) -> set[int]:
         """The stores of the batch; returns the stores to flush before the forward pass."""
@@ -255,7 +261,11 @@ class ReferenceConnector:
         self._block_tables.pop(req_id, None)
         self._cursors.pop(req_id, None)
         self.refusing.discard(req_id)
-        if any(t.req_id == req_id and t.kind == "store" for t in self._unfinished.values()):
+        stores = [t for t in self._unfinished.values() if t.req_id == req_id and t.kind == "store"]
+        held = {b for table in self._tables(block_ids) for b in table}
+        # a window freed the blocks it no longer holds as it finished: its stores of them finish before reuse
+        self._flush_next |= {t.job_id for t in stores if any(b not in held for b, _key, _sub in t.copies)}
+        if stores:
             self._delayed.add(req_id)  # stores still read its blocks
             return True
         return False
@@ -287,11 +297,10 @@ class ReferenceConnector:
     def host(self) -> torch.Tensor:
         return registered(self._host, "host")
 
-    def handle_preemptions(self, req_ids: frozenset[str]) -> None:
-        self.executor.flush({t.job_id for t in self._submitted.values() if t.kind == "store" and t.req_id in req_ids})
+    def handle_preemptions(self, metadata: TransferPlan) -> None:
+        self.executor.flush(set(metadata.flush))  # before the forward pass may write their blocks
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
-        self.executor.flush(set(metadata.flush))  # stores of blocks a sliding window left behind
         self._draining |= metadata.delayed
         for transfer in metadata.loads:
             self._submit(transfer)

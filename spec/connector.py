@@ -21,12 +21,15 @@ Scheduler side
     on an offload block boundary of every group; a sliding window needs only its last blocks, and its older
     positions are never loaded); a store skips the blocks a window may have freed; the stores that still read such
     blocks are flushed before the forward pass, since the engine frees them without telling and may reuse them at
-    once. The cursor counts offload blocks of ``Config.offload_block_size`` tokens: every group's offload blocks
-    end on those boundaries, and each is offered once the cursor passes its end.
+    once: those of a scheduled request by its computed tokens, those of a finished one by the table it finishes
+    with (the engine frees the window's blocks first), in the next plan. The cursor counts offload blocks of
+    ``Config.offload_block_size`` tokens: every group's offload blocks end on those boundaries, and each is offered
+    once the cursor passes its end.
 
 Worker side
-  * loads are submitted in start_load_kv, stores in wait_for_save (after the forward pass wrote the blocks);
-  * preemption flushes the preempted requests' stores before their blocks are reused;
+  * handle_preemptions, the one hook before the forward pass, flushes the plan's ``flush`` list: the preempted
+    requests' stores, and the stores reading blocks a window freed, before the pass may write those blocks;
+  * loads are submitted in start_load_kv, stores in wait_for_save (both after the forward pass wrote the blocks);
   * a delayed request drains: it is reported in finished_sending once its transfers completed;
   * a failed load's GPU blocks are reported by get_block_ids_with_load_errors; with several KV cache groups, its
     request is reported in ``failed_recving`` instead (a block id does not say which group's block failed).
@@ -76,6 +79,7 @@ class SpecConnector:
     failed: set[int] = field(factory=set)  # transfers some worker reported as failed
     pending_loads: list[Transfer] = field(factory=list)  # for the next plan
     delayed: set[str] = field(factory=set)  # request_finished delayed their free since the last plan
+    flush_next: set[int] = field(factory=set)  # stores reading blocks freed at a finish, for the next plan
     refusing: set[str] = field(factory=set)  # fault injection: the tier refuses these requests' next store
     next_job_id: int = 0
     # worker side (kv and executor: set by register_kv_caches)
@@ -130,10 +134,12 @@ class SpecConnector:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
         meta = TransferPlan(self.pending_loads, [], frozenset(self.delayed))
-        self.pending_loads, self.delayed = [], set()
-        for req_id in scheduler_output.preempted_req_ids & self.block_tables.keys():  # it may have finished since
+        preempted = scheduler_output.preempted_req_ids
+        flush = self.flush_next | {t.job_id for t in self.unfinished.values() if t.req_id in preempted
+                                   and t.kind == "store"}
+        self.pending_loads, self.delayed, self.flush_next = [], set(), set()
+        for req_id in preempted & self.block_tables.keys():  # it may have finished since
             self.block_tables[req_id], self.cursors[req_id] = self._tables(None), 0
-        flush: set[int] = set()
         for s in scheduler_output.scheduled:
             req = self._known(s.req_id)
             flush |= self._reading_left_behind(s.req_id, s.num_computed_tokens)
@@ -206,11 +212,16 @@ class SpecConnector:
                 self.tier.complete_load(transfer.keys, success)
 
     def request_finished(self, request: RequestView, block_ids: BlockIds) -> bool:
+        """Delay the free while a store reads the blocks; a store reading a block the request no longer holds (a
+        window freed it as the request finished) is flushed with the next plan, before that block is reused."""
         self._known(request.req_id)
         for state in (self.requests, self.block_tables, self.cursors):
             state.pop(request.req_id, None)
         self.refusing.discard(request.req_id)
-        delay = any(t.req_id == request.req_id and t.kind == "store" for t in self.unfinished.values())
+        held = {b for table in self._tables(block_ids) for b in table}
+        stores = [t for t in self.unfinished.values() if t.req_id == request.req_id and t.kind == "store"]
+        self.flush_next |= {t.job_id for t in stores if any(b not in held for b, _k, _s in t.copies)}
+        delay = bool(stores)
         if delay:
             self.delayed.add(request.req_id)
         return delay
@@ -240,11 +251,10 @@ class SpecConnector:
     def executor(self) -> Executor:
         return registered(self._executor, "executor")
 
-    def handle_preemptions(self, req_ids: frozenset[str]) -> None:
-        self.executor.flush({t.job_id for t in self.submitted.values() if t.req_id in req_ids and t.kind == "store"})
+    def handle_preemptions(self, metadata: TransferPlan) -> None:
+        self.executor.flush(set(metadata.flush))
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
-        self.executor.flush(set(metadata.flush))
         self.draining |= metadata.delayed
         for load in metadata.loads:
             self._submit(load, partial(self._copy_in, load))

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .types import GpuKV, Job
     from .world import Executor, Request, World
 
-SPEC_VERSION = "0.6"
+SPEC_VERSION = "0.7"
 
 SAFETY = ("TRACK", "SRC", "DST", "CONTENT", "REF", "ATOMIC", "CURSOR", "JOBS", "FINISH", "FAIL", "LOOKUP")
 LIVENESS = ("RELEASE", "QUIESCE", "PROGRESS")

@@ -98,13 +98,16 @@ class SchedulerOutput:
 
 @define
 class TransferPlan:
-    """The connector metadata of one step: the transfers the worker side must submit, and the delayed frees to
-    report. Each connector brings its own ``Transfer`` record; the plan's shape is common."""
+    """The connector metadata of one step: the transfers the worker side must submit, the stores it must finish
+    before the forward pass, and the delayed frees to report. Each connector brings its own ``Transfer`` record;
+    the plan's shape is common."""
 
     loads: list[Any] = field(factory=list)
     stores: list[Any] = field(factory=list)
     delayed: frozenset[str] = frozenset()  # finished requests whose blocks stay until their transfers drain
-    flush: frozenset[int] = frozenset()  # stores to finish before the forward pass (a window freed their blocks)
+    # stores to finish before the forward pass (``handle_preemptions``): a preempted request's, and those reading a
+    # block the engine freed without telling (a sliding window's, while the request ran or as it finished)
+    flush: frozenset[int] = frozenset()
 
 
 @frozen
@@ -186,7 +189,7 @@ class Connector(Protocol):
 
     # worker side
     def register_kv_caches(self, kv: Any, executor: Any) -> None: ...  # kv: a GpuKV of the type the adapter works on
-    def handle_preemptions(self, req_ids: frozenset[str]) -> None: ...
+    def handle_preemptions(self, metadata: Any) -> None: ...  # this step's metadata, before the forward pass
     def start_load_kv(self, metadata: Any) -> None: ...
     def wait_for_save(self, metadata: Any) -> None: ...
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput: ...

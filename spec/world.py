@@ -2,12 +2,24 @@
 
 One ``World`` owns a GPU block pool with prefix caching, the requests, a token budget per step, the workers (each
 holds its own shard of every block, as tensor-parallel workers do) and the executors that decide when each
-transfer a worker submits runs, fails, and is reported. Each ``step()`` is one engine iteration, in vLLM's order:
+transfer a worker submits runs, fails, and is reported. Each ``step()`` is one engine iteration, in vLLM's order
+(0.32 and 0.33 alike: ``tests/vllm/test_call_order.py`` records it from vLLM's own model runner code):
 
-  schedule (admissions ask the connector for hits) -> build_connector_meta -> handle_preemptions
-  -> start_load_kv -> forward pass (writes KV) -> wait_for_save -> get_finished (every worker, aggregated)
+  schedule (admissions ask the connector for hits; a sliding window frees its old blocks)
+  -> build_connector_meta -> handle_preemptions(metadata) -> forward pass (writes KV)
+  -> start_load_kv -> wait_for_save -> get_finished, get_block_ids_with_load_errors (every worker, aggregated)
   -> deliver the output: update_connector_output, free and cache blocks, sampled tokens, finishes
-     (request_finished may delay the free)
+     (a window's old blocks are freed first, then request_finished may delay the free of the rest)
+
+What each worker hook may assume about the blocks, given that order:
+  * handle_preemptions is the only hook before the forward pass: whatever must finish before the pass writes a
+    block (the stores of a preempted request, stores reading a block a window freed) is flushed here;
+  * start_load_kv runs after the forward launch, since every load is asynchronous here (LOOKUP; vLLM starts a
+    load before the forward only when the step has a synchronous one): a flush here comes too late, as the pass
+    may already have written a freed block for another request;
+  * wait_for_save runs after the pass: the step's blocks hold their KV, so stores are submitted here;
+  * get_finished and get_block_ids_with_load_errors run after both: a transfer submitted this step may already
+    be reported, and a request named finished this step is known to the worker by then.
 
 The engine modes vLLM runs on GPUs are modelled too, because each one changes what a connector sees:
   * async scheduling: the output of step N is delivered after step N+1 was scheduled, so the scheduler counts
@@ -457,13 +469,12 @@ class World:
         if self.observable:
             invariants.track(self, self.observe())
         for worker in self.workers:
-            worker.handle_preemptions(out.preempted_req_ids)
+            worker.handle_preemptions(meta)
         if not self.fenced:
             invariants.src(self)
-        for worker in self.workers:
-            worker.start_load_kv(meta)
         samples = self._forward(out)
-        for worker in self.workers:
+        for worker in self.workers:  # after the forward launch: every load the world knows is asynchronous
+            worker.start_load_kv(meta)
             worker.wait_for_save(meta)
         output: StepOutput | None = StepOutput(samples, *self._worker_output(out))
         if self.config.async_scheduling:  # the engine schedules the next step before it applies this one
@@ -819,6 +830,7 @@ class World:
         del self.requests[req.req_id]
         self.finished_since_step.add(req.req_id)  # if preempted since the last step, it is reported as both
         self.stats["finished"] += 1
+        self._free_outside_windows(req)  # vLLM's _connector_finished frees them before request_finished
         delay = False
         if req.looked_up:
             stores = [job for job in self.jobs_of(req.req_id) if job.kind == "store"]

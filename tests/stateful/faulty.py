@@ -33,7 +33,7 @@ class BreakOnRefusedStore(ReferenceConnector):
 class NoFlushOnPreemption(ReferenceConnector):
     """A preempted request's in-flight stores are not flushed, so they read its blocks after they were reused."""
 
-    def handle_preemptions(self, req_ids) -> None:
+    def handle_preemptions(self, metadata) -> None:
         pass
 
 
@@ -144,16 +144,36 @@ class FailedEntryOfferedForever(OffloadConnector):
 
 
 class StoresBeforeTheForwardPass(OffloadConnector):
-    """Stores submitted in start_load_kv, before the forward pass writes the step's tokens. With speculative
+    """Stores submitted in handle_preemptions, before the forward pass writes the step's tokens. With speculative
     decoding the block of the last sampled token still holds a rejected draft's KV then, and it is stored under the
     real key."""
 
-    def start_load_kv(self, metadata) -> None:
-        super().start_load_kv(metadata)
+    def handle_preemptions(self, metadata) -> None:
+        super().handle_preemptions(metadata)
         super().wait_for_save(metadata)
 
     def wait_for_save(self, metadata) -> None:
         pass
+
+
+def flushes_after_the_forward(connector_class):
+    """The plan's flushes done in start_load_kv, as all three of our connectors did until the world called the
+    hooks in vLLM's order: vLLM calls start_load_kv after the forward pass, which may already have written a block a
+    sliding window freed, for another request, under a store still reading it (wrong KV filed under the old key)."""
+
+    class FlushesAfterTheForward(connector_class):
+        def handle_preemptions(self, metadata) -> None:
+            pass
+
+        def start_load_kv(self, metadata) -> None:
+            connector_class.handle_preemptions(self, metadata)  # the bug: too late
+            connector_class.start_load_kv(self, metadata)
+
+    FlushesAfterTheForward.__doc__ = flushes_after_the_forward.__doc__
+    return FlushesAfterTheForward
+
+
+FlushesAfterTheForward = flushes_after_the_forward(OffloadConnector)
 
 
 # each production variant, with the engine mode (a scenario in scenarios.GPU_MODE_SCENARIOS) that triggers it
@@ -164,6 +184,8 @@ GPU_MODE_VARIANTS = {
     FailedEntryOfferedForever: "k1-broken-loads-no-prefix-cache",
     StoresBeforeTheForwardPass: "k2-spec3-immediate-no-prefix-cache",
 }
+# each production variant of a hybrid model, with the scenario (in scenarios.HYBRID_SCENARIOS) that triggers it
+HYBRID_PRODUCTION_VARIANTS = {FlushesAfterTheForward: "hybrid-k2-w5-full-delayed-failures"}
 
 
 # ---- hybrid models (several KV cache groups), in the spec connector ------------------------------------------
@@ -173,6 +195,18 @@ class StoresAfterTheWindowFreed(SpecConnector):
 
     def _reading_left_behind(self, req_id, computed):
         return set()  # the bug: no fence
+
+
+class ForgetsTheWindowAtFinish(SpecConnector):
+    """A finish that does not flush the stores reading blocks the engine freed as the request finished (vLLM's
+    ``_connector_finished`` frees a window's old blocks before ``request_finished``): the free of the rest is
+    delayed, but those blocks are reused at once, under the stores."""
+
+    def request_finished(self, request, block_ids):
+        flush = set(self.flush_next)
+        delay = super().request_finished(request, block_ids)
+        self.flush_next = flush  # the bug
+        return delay
 
 
 class LoadsNullBlocks(SpecConnector):
@@ -263,8 +297,9 @@ class HitsInsideALargerBlock(SpecConnector):
 HYBRID_VARIANTS = {
     FailsLoadsByBlock: "hybrid-k2-w5-full-delayed-failures",
     StoresAfterTheWindowFreed: "hybrid-k2-w5-full-delayed-failures",
+    ForgetsTheWindowAtFinish: "hybrid-k2-w5-full-delayed-failures",
     LoadsNullBlocks: "hybrid-w4-full-immediate",
-    HitsWithoutTheWindow: "hybrid-w4-full-immediate",
+    HitsWithoutTheWindow: "hybrid-w4-only-delayed-failures",
     SwapsGroups: "hybrid-w4-full-immediate",
     KeysEveryGroupPerHashBlock: "hybrid-w8@4-full-delayed-failures",
     HitsInsideALargerBlock: "hybrid-full@6-w5-full@4-tp2-no-prefix-cache",

@@ -9,12 +9,13 @@ from kvoffload.reference import TensorKV
 from kvoffload.spec import ListKV, Violation
 from kvoffload.spec.kit import run_conformance
 
-from .faulty import GPU_MODE_VARIANTS, HYBRID_VARIANTS, VARIANTS
+from .faulty import GPU_MODE_VARIANTS, HYBRID_PRODUCTION_VARIANTS, HYBRID_VARIANTS, VARIANTS
 from .scenarios import GPU_MODE_SCENARIOS, HYBRID_SCENARIOS, SCENARIOS
 
 CASES = [(v, SCENARIOS[name], TensorKV) for v, name in VARIANTS.items()] + [
     (v, GPU_MODE_SCENARIOS[name], LayeredKV) for v, name in GPU_MODE_VARIANTS.items()] + [
-    (v, HYBRID_SCENARIOS[name], ListKV) for v, name in HYBRID_VARIANTS.items()]
+    (v, HYBRID_SCENARIOS[name], ListKV) for v, name in HYBRID_VARIANTS.items()] + [
+    (v, HYBRID_SCENARIOS[name], LayeredKV) for v, name in HYBRID_PRODUCTION_VARIANTS.items()]
 
 
 @pytest.mark.parametrize("variant, scenario, kv", CASES, ids=[v.__name__ for v, _s, _k in CASES])

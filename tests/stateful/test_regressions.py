@@ -4,7 +4,9 @@ import subprocess
 import sys
 import textwrap
 
-from kvoffload.spec import Config, Executor, ListKV, SpecConnector, World
+import pytest
+
+from kvoffload.spec import Config, Executor, ListKV, SpecConnector, Violation, World
 from kvoffload.spec.types import offload_keys
 
 DELAYED_FREES_PROGRAM = textwrap.dedent("""
@@ -263,3 +265,68 @@ def test_the_production_connector_stores_every_group_of_a_model_without_windows(
     stats = state.subject.stats
     state.teardown()
     assert stats["blocks_stored"] == 8 and stats["blocks_loaded"] == 4  # 4 blocks of each group; 4 positions
+
+
+def _hybrid_connectors():
+    from kvoffload.impl import OffloadConnector
+    from kvoffload.impl.testing import LayeredKV
+    from kvoffload.reference import ReferenceConnector, TensorKV
+
+    return [(SpecConnector, ListKV), (ReferenceConnector, TensorKV), (OffloadConnector, LayeredKV)]
+
+
+def _window_flushed_too_late(state):
+    """r2's prefill chunks move its window past a block a deferred store still reads; the engine frees the block
+    and hands it to r1 in the same step, whose forward pass writes it."""
+    state.add_requests(batch=[([0, 1], 6)])
+    state.abort(i=0)
+    state.add_requests(batch=[([0, 0, 0, 0, 0], 3), ([1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 0, 1, 1, 1, 2, 1, 1], 1)])
+    state.step(n=3)
+    state.invariants_hold()
+
+
+def _window_freed_at_finish(state):
+    """r1 finishes with a store in flight on a block its window no longer reads: vLLM frees that block before
+    request_finished (which delays the free of the rest), and the next step reuses it."""
+    state.add_requests(batch=[([0, 0, 0, 0, 0], 1), ([0, 1, 0, 1, 2, 2, 0, 0, 0, 0, 0], 1), ([0, 1, 0, 1, 2, 2, 0], 1)])
+    state.step(n=3)
+    state.invariants_hold()
+
+
+@pytest.mark.parametrize("program", [_window_flushed_too_late, _window_freed_at_finish])
+@pytest.mark.parametrize("connector, kv", _hybrid_connectors(), ids=["spec", "reference", "production"])
+def test_stores_reading_blocks_a_window_freed_finish_before_the_forward_pass(connector, kv, program):
+    """Found when the world began calling the worker hooks in vLLM's order (``tests/vllm/test_call_order.py``):
+    vLLM calls ``start_load_kv`` after the forward pass, and all three connectors flushed the stores reading a
+    block a sliding window freed there, too late: the pass had already written the block for another request
+    (SRC; on a GPU, the store stream reads the new bytes and files them under the old key). Fixed: the flushes
+    happen in ``handle_preemptions``, the one hook before the pass. The second program is the same hole at a finish:
+    vLLM frees a window's old blocks before ``request_finished``; fixed by naming their stores in the next plan's
+    flush. Each program passes on every connector, and fails on each with its flushes moved after the forward."""
+    from kvoffload.spec.kit import make_machine
+
+    from .faulty import flushes_after_the_forward
+    from .scenarios import HYBRID_SCENARIOS
+
+    scenario = HYBRID_SCENARIOS["hybrid-k2-w5-full-delayed-failures"]
+    state = make_machine(connector, scenario, "exact", kv)()
+    program(state)
+    state.teardown()
+    old = make_machine(flushes_after_the_forward(connector), scenario, "invariants", kv)()
+    with pytest.raises(Violation) as caught:
+        program(old)
+    assert caught.value.invariant == "SRC" and "written by the forward pass" in str(caught.value)
+
+
+def test_a_store_of_a_block_freed_at_finish_is_flushed_by_the_next_plan():
+    """The finish program against the spec connector without the flush of what the window freed at the finish
+    (``ForgetsTheWindowAtFinish``): the delayed free keeps the rest, the freed block is reused under the store."""
+    from kvoffload.spec.kit import make_machine
+
+    from .faulty import ForgetsTheWindowAtFinish
+    from .scenarios import HYBRID_SCENARIOS
+
+    state = make_machine(ForgetsTheWindowAtFinish, HYBRID_SCENARIOS["hybrid-k2-w5-full-delayed-failures"])()
+    with pytest.raises(Violation) as caught:
+        _window_freed_at_finish(state)
+    assert caught.value.invariant == "SRC"

@@ -54,7 +54,7 @@ class Driver:
             self.connector.shadow.spec.refuse_next_store(req_id)
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
-        self.worker.handle_preemptions(meta.preempted)
+        self.worker.handle_preemptions(meta.plan)
         self.worker.start_load_kv(meta.plan)
         self.worker.wait_for_save(meta.plan)
         for _ in range(self.rnd.randrange(3)):  # the environment moves transfers on in its own order

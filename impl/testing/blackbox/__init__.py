@@ -106,8 +106,8 @@ def release(version: str | None = None) -> Release:
 
 
 class KVOffloadTransfers:
-    """Our ``KVOffloadConnector``: a plan of transfers; a preempted request's stores are flushed, and so are the
-    stores the plan names (those reading blocks a sliding window left behind)."""
+    """Our ``KVOffloadConnector``: a plan of transfers, and the stores to flush before the forward pass (a preempted
+    request's, and those reading blocks a sliding window freed)."""
 
     failures, fenced = True, False
 
@@ -120,8 +120,7 @@ class KVOffloadTransfers:
                            keys=tuple(key for _block, key, _sub in t.copies))
 
     def flushes(self, metadata: Any, submitted: dict[int, Transfer]) -> set[int]:
-        preempted = {job_id for job_id, t in submitted.items() if t.kind == "store" and t.req_id in metadata.preempted}
-        return preempted | metadata.plan.flush
+        return set(metadata.plan.flush)
 
     def worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
         return self.vllm.our_worker_meta(job_results) if job_results else None
@@ -139,7 +138,6 @@ class BlackBox:
         if refuse:
             self.refuse_next_store = refuse
         self.seen: dict[str, tuple[Request, Any]] = {}  # world request, vLLM request
-        self.metadata: Any = None  # this step's, for handle_preemptions (the world passes only the ids)
         self.pending: dict[int, tuple[Transfer, tuple[Copy, ...]]] = {}  # asked for this step, not submitted
         self.draining: set[str] = set()  # request_finished returned True; not reported in finished_sending yet
         self.submitted: dict[int, Transfer] = {}  # submitted, not polled
@@ -191,9 +189,9 @@ class BlackBox:
         self.connector.update_state_after_alloc(vreq, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        self.metadata = self.connector.build_connector_meta(self._scheduler_output(scheduler_output))
-        self.pending = {t.job_id: (t, self._copies(t)) for t in self.reader.transfers(self.metadata)}
-        return self.metadata
+        metadata = self.connector.build_connector_meta(self._scheduler_output(scheduler_output))
+        self.pending = {t.job_id: (t, self._copies(t)) for t in self.reader.transfers(metadata)}
+        return metadata
 
     def _copies(self, t: Transfer) -> tuple[Copy, ...]:
         """What the transfer copies, as (world GPU block, its offload block's key in its group, index inside it).
@@ -286,8 +284,8 @@ class BlackBox:
     def executor(self) -> Executor:
         return registered(self._executor, "executor")
 
-    def handle_preemptions(self, req_ids: frozenset[str]) -> None:
-        flush = self.reader.flushes(self.metadata, self.submitted)
+    def handle_preemptions(self, metadata: Any) -> None:
+        flush = self.reader.flushes(metadata, self.submitted)
         self._submit("store", flush)  # a flushed job of this very step is submitted first, as vLLM's worker does
         self.executor.flush(flush)
 
