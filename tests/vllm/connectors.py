@@ -1,6 +1,7 @@
-"""Connector variants the engine tests load by module path: one whose transfers really fail, one that records
-the KV events it hands vLLM, one with the seed bug and one that swaps a hybrid model's groups (for the shadow monitor
-and black-box mode to catch); and vLLM's OffloadingConnector with transfer failures injected (a known divergence)."""
+"""Connector variants the engine tests load by module path: one whose transfers really fail, one whose copies run
+late, one that records the KV events it hands vLLM, one with the seed bug and one that swaps a hybrid model's
+groups (for the shadow monitor and black-box mode to catch); and vLLM's OffloadingConnector with transfer failures
+injected (a known divergence)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,37 @@ class FlakyExecutor(InlineExecutor):
                 raise RuntimeError("injected transfer failure")
             job.run = half_then_fail
         super().submit(job)
+
+
+class LateExecutor(InlineExecutor):
+    """Runs each copy one step late: at the next step's poll, after that step's forward pass, as a GPU copy stream
+    behind a busy compute stream may; a flush runs the copies it names at once. (The CPU engine's own executor
+    copies at submit, where no order of the worker hooks can matter.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting: list = []  # submitted since the last poll
+        self.late: list = []  # submitted before it: they run at the next poll
+
+    def submit(self, job) -> None:
+        self.waiting.append(job)
+
+    def flush(self, job_ids: set[int]) -> None:
+        for job in [j for j in self.late + self.waiting if j.job_id in job_ids]:
+            (self.late if job in self.late else self.waiting).remove(job)
+            super().submit(job)
+
+    def poll(self) -> list[tuple[int, bool]]:
+        for job in self.late:
+            super().submit(job)
+        self.late, self.waiting = self.waiting, []
+        return super().poll()
+
+
+class LateCopiesConnector(KVOffloadConnector):
+    def register_kv_caches(self, kv_caches) -> None:
+        super().register_kv_caches(kv_caches)
+        self.offload.executor = LateExecutor()
 
 
 class FailingTransfersConnector(KVOffloadConnector):

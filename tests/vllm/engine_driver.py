@@ -13,6 +13,10 @@
 * **Weight updates**: ``reset_prefix_cache(reset_connector=True)`` mid-run.
 * **Hybrid models**: ``groups`` gives the KV cache groups (full attention, sliding windows, blocks of several
   sizes); vLLM's ``HybridKVCacheCoordinator`` then frees a window's old blocks while requests run.
+* **The model runner's call order**: each worker's connector calls come from vLLM's own model-runner code
+  (``KVConnectorModelRunnerMixin._get_kv_connector_output``) around a stand-in forward pass, which writes
+  content-addressed bytes into the blocks it computes; copies run late, when the environment says, as on a GPU's
+  copy stream. With ``check_bytes`` every store must read, and every load must bring back, its key's bytes.
 
 Everything vLLM-side is vLLM's real class: ``Request`` with a block hasher, ``SchedulerOutput`` from the
 scheduler, ``ModelRunnerOutput``, ``KVConnectorOutput``, ``DraftTokenIds``. The shadow monitor checks the scheduler
@@ -21,57 +25,96 @@ side every step.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from attrs import define
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+from vllm.distributed.kv_transfer import kv_transfer_state  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
 
 from kvoffload.impl.testing import LayeredKV  # noqa: E402
 from kvoffload.impl.vllm_connector import KVOffloadConnector  # noqa: E402
 from kvoffload.impl.testing.harness import BLOCK_SIZE, make_scheduler  # noqa: E402
 from kvoffload.spec.groups import FULL_ATTENTION, Group  # noqa: E402
+from kvoffload.spec.types import group_key  # noqa: E402
 from kvoffload.spec.world import Executor  # noqa: E402
 
 VOCAB = 512
+PARTIAL = 1  # the bytes of a block whose tokens are not all computed yet
+
+
+def content(key: Any) -> int:
+    """The bytes a block holds once computed, from its tier key (vLLM's chained block hash, and its group)."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=6).digest(), "little")
+
+
+@define
+class CheckedExecutor(Executor):
+    """The world's executor (a copy runs when the environment says, as on a GPU's copy stream); with ``checking``,
+    it checks the bytes every store reads as it runs and every load brings back: its key's content (one GPU block
+    per offload block)."""
+
+    checking: bool = False
+    checked: int = 0  # copies checked
+
+    def execute(self, job: Any, fail: bool = False) -> None:
+        if self.checking and job.kind == "store" and not (fail or self.fail_next):
+            self.check(job, "store read")
+        super().execute(job, fail)
+        if self.checking and job.kind == "load" and job.success:
+            self.check(job, "load brought back")
+
+    def check(self, job: Any, what: str) -> None:
+        self.checked += len(job.copies)
+        for block, key, _sub in job.copies:
+            assert self.kv.holds(block, content(key)), f"{job.kind} job {job.job_id} of {job.req_id}: {what} " \
+                f"other bytes than its key's in GPU block {block}"
 
 
 class Worker:
     """One worker: our connector's worker side on its own KV cache, its transfers timed by the environment."""
 
-    def __init__(self, scheduler: Any, rnd: random.Random, delay: int, failures: float, reorder: bool) -> None:
+    def __init__(self, scheduler: Any, rnd: random.Random, delay: int, failures: float, reorder: bool,
+                 connector_class: type = KVOffloadConnector, check_bytes: bool = False) -> None:
         self.rnd, self.failures, self.reorder = rnd, failures, reorder
-        self.connector = KVOffloadConnector(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
-        kv = LayeredKV(scheduler.kv_cache_config.num_blocks, shape="fused", block_size=BLOCK_SIZE)
-        self.connector.register_kv_caches(kv.caches)
+        self.vllm_config = scheduler.vllm_config
+        self.connector = connector_class(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
+        self.kv = LayeredKV(scheduler.kv_cache_config.num_blocks, shape="fused", block_size=BLOCK_SIZE)
+        self.connector.register_kv_caches(self.kv.caches)
         # The environment, not a thread, decides when this worker's copies run, complete or fail.
-        self.executor = self.connector.offload.executor = Executor(delay=delay)
+        self.executor = self.connector.offload.executor = CheckedExecutor(delay=delay, kv=self.kv,
+                                                                          checking=check_bytes)
         self.failed = 0  # transfers this worker failed
 
-    def execute(self, scheduler_output: Any) -> KVConnectorOutput:
-        """The connector calls of one forward pass, in the model runner's order."""
-        connector, metadata = self.connector, scheduler_output.kv_connector_metadata
-        connector.handle_preemptions(metadata)
-        connector.bind_connector_metadata(metadata)
-        connector.start_load_kv(None)
-        connector.wait_for_save()
-        self.move_transfers()
-        results = connector.get_transfer_results(scheduler_output.finished_req_ids)
-        output = KVConnectorOutput(finished_sending=results.finished_sending, finished_recving=results.finished_recving,
-                                   failed_recving=results.failed_recving,
-                                   invalid_block_ids=connector.get_block_ids_with_load_errors(),
-                                   kv_connector_worker_meta=connector.build_connector_worker_meta())
-        connector.clear_connector_metadata()
+    def execute(self, scheduler_output: Any, forward: Callable[[LayeredKV], None]) -> KVConnectorOutput:
+        """One forward pass, with vLLM's own model-runner code around it: ``execute_model`` calls
+        ``handle_preemptions`` before the pass (``tests/vllm/test_call_order.py`` reads that from vLLM), then the
+        runner's context manager binds the metadata, starts the loads after the pass (ours are all asynchronous),
+        waits for the saves and collects the results. Meanwhile the environment moves this worker's copies on."""
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.connector  # as a worker process registers its connector
+        try:
+            self.connector.handle_preemptions(scheduler_output.kv_connector_metadata)
+            with (set_forward_context(None, self.vllm_config),
+                  KVConnectorModelRunnerMixin._get_kv_connector_output(scheduler_output) as output):
+                forward(self.kv)
+                self.move_transfers()  # the copy stream runs on after the pass wrote the step's KV
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
         return output
 
     def move_transfers(self) -> None:
@@ -90,15 +133,20 @@ class Engine:
 
     def __init__(self, model: Path, seed: int, *, async_scheduling: bool = False, spec_tokens: int = 0,
                  workers: int = 1, num_blocks: int = 48, tier_bytes: int = 512 << 10, delay: int = 2,
-                 failures: float = 0.2, reorder: bool = True, groups: tuple[Group, ...] = FULL_ATTENTION) -> None:
+                 failures: float = 0.2, reorder: bool = True, groups: tuple[Group, ...] = FULL_ATTENTION,
+                 worker_class: type = KVOffloadConnector) -> None:
         self.rnd = random.Random(seed)
         self.scheduler = make_scheduler(model, num_blocks, "KVOffloadConnector", "kvoffload.impl.vllm_connector",
                                         {"tier_bytes": tier_bytes, "verify": True}, async_scheduling=async_scheduling,
                                         num_spec_tokens=spec_tokens, world_size=workers, log_stats=True,
                                         groups=groups)
         self.connector = self.scheduler.connector
-        self.workers = [Worker(self.scheduler, random.Random(self.rnd.random()), delay, failures, reorder)
-                        for _ in range(workers)]
+        # The bytes are defined where every computed block has its hash when the pass writes it (no placeholders,
+        # no drafts) and one GPU block is one offload block: there each copy is checked against its key.
+        self.check_bytes = not async_scheduling and not spec_tokens and self.connector.config.k == 1 and all(
+            size == self.scheduler.hash_block_size for size in self.connector.config.block_sizes)
+        self.workers = [Worker(self.scheduler, random.Random(self.rnd.random()), delay, failures, reorder,
+                               worker_class, self.check_bytes) for _ in range(workers)]
         self.aggregator = KVOutputAggregator.from_connector(self.connector, workers)
         self.depth = 2 if async_scheduling else 1  # vLLM's max_concurrent_batches
         self.async_scheduling, self.spec_tokens = async_scheduling, spec_tokens
@@ -138,10 +186,31 @@ class Engine:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         sampled = [self.sample(scheduler_output, req_id) for req_id in req_ids]
         index = {req_id: i for i, req_id in enumerate(req_ids)}
+        writes = self.computed_blocks(scheduler_output)
+
+        def forward(kv: LayeredKV) -> None:
+            for block, bytes_ in writes:
+                kv.write(block, bytes_)
         outputs = [ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=sampled,
-                                     kv_connector_output=worker.execute(scheduler_output))
+                                     kv_connector_output=worker.execute(scheduler_output, forward))
                    for worker in self.workers]
         return self.aggregator.aggregate(outputs)
+
+    def computed_blocks(self, scheduler_output: Any) -> list[tuple[int, int]]:
+        """What the forward pass writes: every block holding a scheduled position, in every group, gets its key's
+        bytes if its last token is computed now (and hashed), else bytes that no key has."""
+        writes = []
+        hash_size = self.scheduler.hash_block_size
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            end = request.num_computed_tokens  # the scheduler advanced it past the scheduled tokens
+            tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            for g, (table, size) in enumerate(zip(tables, self.connector.config.block_sizes)):
+                for i in range((end - n) // size, -(-end // size)):
+                    last = (i + 1) * size // hash_size - 1  # the block's last hash
+                    full = (i + 1) * size <= end and last < len(request.block_hashes)
+                    writes.append((table[i], content(group_key(request.block_hashes[last], g)) if full else PARTIAL))
+        return writes
 
     def sample(self, scheduler_output: Any, req_id: str) -> list[int]:
         """Tokens sampled for a request: none for a prefill chunk, else its accepted drafts (a random number of
@@ -242,4 +311,5 @@ class Engine:
         stats = self.connector.stats()
         return {**{key: stats[key] for key in ("lookups", "hit_tokens", "stored_blocks", "loaded_blocks",
                                                 "failed_stores", "failed_loads", "alloc_failures")},
-                **self.counts, "worker_failures": [w.failed for w in self.workers], "shadow": stats["shadow"]}
+                **self.counts, "worker_failures": [w.failed for w in self.workers], "shadow": stats["shadow"],
+                "bytes_checked": sum(w.executor.checked for w in self.workers)}
