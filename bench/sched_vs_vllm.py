@@ -29,7 +29,7 @@ from kvoffload.impl.testing import LayeredKV  # noqa: E402
 from kvoffload.impl.vllm_connector import KVOffloadWorkerMetadata  # noqa: E402
 from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
 from kvoffload.impl.testing.harness import BLOCK_SIZE, make_scheduler  # noqa: E402
-from kvoffload.spec.world import Executor  # noqa: E402
+from kvoffload.spec.executor import Executor  # noqa: E402
 
 TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
          "update_connector_output", "request_finished", "take_events")

@@ -18,7 +18,7 @@ from kvoffload.spec.config import BlockIdError, Config, ConfigError, UnknownRequ
 from kvoffload.spec.types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, BlockIds, Copy,
                                   Event, Job, Observation, RequestView, SchedulerOutput, TransferKind, TransferPlan,
                                   WorkerOutput, group_key, offload_keys)
-from kvoffload.spec.world import Executor
+from kvoffload.spec.executor import Executor
 
 from .tier import LRUTier
 

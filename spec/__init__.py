@@ -1,8 +1,10 @@
 """kvoffload.spec — the executable definition of correct KV offloading.
 
-Read in this order: ``config`` (sizes, errors), ``types`` (what engine and connector exchange), ``world`` (the
-engine), ``tier`` (the offload tier), ``connector`` (the spec connector's decisions), ``invariants`` (what must
-always hold). ``kit`` (needs hypothesis) drives any connector through all of it; ``kit.trace`` replays its failures.
+Read in this order: ``config`` (sizes, errors), ``types`` (what engine and connector exchange), ``requests`` (a
+request, its tokens and hashes), ``memory`` (GPU blocks and the block pool), ``executor`` (when transfers run),
+``world`` (the engine), ``tier`` (the offload tier), ``connector`` (the spec connector's decisions),
+``invariants`` (what must always hold). ``kit`` (needs hypothesis) drives any connector through all of it;
+``kit.trace`` replays its failures.
 """
 
 from .config import BlockIdError, Config, ConfigError, UnknownRequestError, registered
@@ -13,7 +15,10 @@ from .types import (CAPABILITIES, CONNECTOR_METHODS, FENCED_FREES, GROUPS, NULL_
                     TRANSFER_FAILURES, Adapter, BlockIds, Connector, Copy, Event, GpuKV, Job, Key, Observation,
                     RequestView, ScheduledRequest, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput, group_key,
                     key_index, offload_keys)
-from .world import GARBAGE, Executor, ListKV, Request, State, World
+from .executor import Executor
+from .memory import GARBAGE, ListKV
+from .requests import Request, State
+from .world import World
 
 __all__ = [
     "CAPABILITIES", "CONNECTOR_METHODS", "FENCED_FREES", "GARBAGE", "GROUPS", "NULL_BLOCK", "OBSERVE", "REFUSE_STORE",

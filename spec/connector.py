@@ -49,7 +49,8 @@ from .tier import Tier
 from .types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, BlockIds, Copy, Event, Job,
                     Key, Observation, RequestView, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput,
                     group_key, offload_keys)
-from .world import Executor, ListKV
+from .executor import Executor
+from .memory import ListKV
 
 
 @define

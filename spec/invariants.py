@@ -21,7 +21,9 @@ from .types import NULL_BLOCK, Key, Observation, WorkerOutput, group_key
 if TYPE_CHECKING:
     from .kit.coverage import Coverage
     from .types import GpuKV, Job
-    from .world import Executor, Request, World
+    from .executor import Executor
+    from .requests import Request
+    from .world import World
 
 SPEC_VERSION = "0.7"
 
@@ -143,7 +145,7 @@ def store_bytes(world: World, job: Job, kv: GpuKV) -> None:
     bug's drift), reads a block already rewritten for another request, a block whose last tokens are not computed
     yet, or a rejected draft's KV, would put foreign bytes under the key. Only keys the engine has hashed exist.
     """
-    from .world import kv_content
+    from .requests import kv_content
     req, k = world.history[job.req_id], world.config.k
     keys = {group_key(h, g): (i, g) for g in range(len(world.groups)) for i, h in enumerate(req.block_hashes)}
     for block, key, sub in job.copies:
@@ -179,7 +181,7 @@ def content(world: World) -> None:
     read of a reused block, a store of a not-yet-computed slot or of a rejected draft, and a tier entry that
     outlived a weight update all surface here as wrong bytes.
     """
-    from .world import kv_content
+    from .requests import kv_content
 
     for req in world.requests.values():
         for g, (table, size) in enumerate(zip(req.tables, world.block_sizes)):
@@ -200,7 +202,7 @@ def landed(world: World, req: Request) -> None:
     Prevents a hit that ends inside a block of a group with larger blocks (aligned to a smaller group's blocks
     only) whose load skips that block: the engine would attend to whatever the block held before.
     """
-    from .world import kv_content
+    from .requests import kv_content
 
     done = req.load_target
     for g, (table, size) in enumerate(zip(req.tables, world.block_sizes)):

@@ -19,7 +19,9 @@ from ..connector import SpecConnector
 from ..groups import FULL_ATTENTION
 from ..invariants import ConnectorError, Violation
 from ..types import FENCED_FREES, GROUPS, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Refusable
-from ..world import Executor, ListKV, World
+from ..executor import Executor
+from ..memory import ListKV
+from ..world import World
 from .coverage import Coverage
 from .scenario import DEFAULT_SCENARIO, NEEDS, Need, Scenario, capabilities_of, declare, skipped_by
 from .strategies import max_tokens, prompts

@@ -15,7 +15,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from .. import invariants
 from ..config import Config
 from ..invariants import Violation
-from ..world import ListKV
+from ..memory import ListKV
 from .coverage import Coverage
 from .machine import Level, make_machine
 from .profiles import get_profile, project_independent, seed_schedule

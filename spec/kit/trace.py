@@ -66,9 +66,12 @@ def importable_name(obj: Any, role: str = "factory") -> str:
     return f"{module}:{qualname}"
 
 
+MOVED = {"kvoffload.spec.world:ListKV": "kvoffload.spec.memory:ListKV"}  # names traces of spec 0.6 and before use
+
+
 def resolve(name: str) -> Any:
     """The object a ``module:qualname`` names; a clear error for one defined inside a function."""
-    module, _, qualname = name.partition(":")
+    module, _, qualname = MOVED.get(name, name).partition(":")
     if not qualname or "<locals>" in qualname:
         raise ValueError(f"{name} cannot be imported by name (defined in a function, or not a function or class): "
                          f"pass it to replay()")

@@ -43,6 +43,19 @@ def test_replay_raises_the_same_failure(failure):
     assert again.value.invariant == violation.invariant == "FINISH"
 
 
+def test_a_trace_naming_the_kv_by_its_home_before_spec_0_7_replays(failure, tmp_path):
+    """Spec 0.7 split the world model into modules: ``ListKV`` moved from ``spec.world`` to ``spec.memory``."""
+    path, violation = failure
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    assert header["kv"] == "kvoffload.spec.memory:ListKV"
+    old = tmp_path / "old.jsonl"
+    old.write_text("\n".join([json.dumps({**header, "kv": "kvoffload.spec.world:ListKV"}), *lines[1:]]) + "\n")
+    with pytest.raises(Violation) as again:
+        replay(old)
+    assert str(again.value).splitlines()[0] == str(violation).splitlines()[0]
+
+
 def test_replay_from_the_command_line(failure):
     path, violation = failure
     done = subprocess.run([sys.executable, "-m", "kvoffload.spec.kit.trace", str(path)], capture_output=True, text=True)

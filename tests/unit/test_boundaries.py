@@ -76,7 +76,8 @@ def forbidden(path: str) -> dict[str, str]:
         if not is_kit(path):
             rules["hypothesis"] = "only the kit (spec/kit*, trace.py, pytest_plugin.py) imports Hypothesis"
     if is_production(path):
-        rules["kvoffload.spec.world"] = "production impl/ does not import the spec's world model"
+        for model in ("world", "requests", "memory", "executor"):
+            rules[f"kvoffload.spec.{model}"] = "production impl/ does not import the spec's world model"
         rules["kvoffload.spec.kit"] = "production impl/ does not import the kit"
         rules["kvoffload.impl.testing"] = "production impl/ does not import the test tooling"
     if path != ADAPTER and not path.startswith(TESTING):

@@ -21,7 +21,7 @@ from kvoffload.impl import OffloadConnector  # noqa: E402
 from kvoffload.impl.testing import LayeredKV  # noqa: E402
 from kvoffload.impl.testing.harness import BLOCK_SIZE, make_scheduler  # noqa: E402
 from kvoffload.impl.vllm_connector import KVOffloadWorkerMetadata  # noqa: E402
-from kvoffload.spec.world import Executor  # noqa: E402
+from kvoffload.spec.executor import Executor  # noqa: E402
 
 class Driver:
     """One engine: the real scheduler, our worker side, and an environment that decides transfer timing."""

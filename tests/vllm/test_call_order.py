@@ -34,7 +34,7 @@ from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
 from kvoffload.impl.vllm_connector import KVOffloadConnector  # noqa: E402
 from kvoffload.spec import Config, SpecConnector, World  # noqa: E402
 from kvoffload.spec.groups import Group  # noqa: E402
-from kvoffload.spec.world import Executor, ListKV  # noqa: E402
+from kvoffload.spec import Executor, ListKV  # noqa: E402
 
 from .engine_driver import Engine  # noqa: E402
 
