@@ -1,0 +1,150 @@
+"""The filesystem tier: one namespace's records in a directory that engines share, on one host or on a shared
+filesystem (``kvoffload.spec.records`` says what a record is and what a reader checks)::
+
+    <root>/<namespace digest>/manifest.json     the namespace's fields: written at the first attach, checked at each
+    <root>/<namespace digest>/<hh>/<key>.kvr    one record per offload block
+    <root>/<namespace digest>/quarantine/       records that failed a check: kept to inspect, never read again
+
+Publishing is atomic and idempotent: a record is written under a unique temporary name beside its final one,
+fsynced, and linked to the final name, which fails if that name exists (the first writer wins, and no reader ever
+sees part of a record); then the directory is fsynced. A writer killed midway leaves a temporary file no reader
+opens.
+
+Reading sizes the read from our config, never from the file, and checks the record before its payload is used. A
+record that fails the check is moved to quarantine and counted. Any other error (EIO, EMFILE, a record that vanished)
+is a miss, counted by its errno, and deletes nothing: other replicas may be reading that record.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Sequence
+
+from kvoffload.spec.records import Bytes, Namespace, RecordError, RecordKey, check_record, encode_key, header_size, seal
+
+
+class TierError(Exception):
+    """A shared tier that cannot be attached as configured (named in the message): raised at start-up only."""
+
+
+def _reason(error: OSError) -> str:
+    return errno.errorcode.get(error.errno or 0, type(error).__name__)
+
+
+class FileTier:
+    def __init__(self, root: str | os.PathLike[str], namespace: Namespace, payload_len: int) -> None:
+        self.root, self.namespace, self.payload_len = Path(root), namespace, payload_len
+        self.dir = self.root / namespace.digest.hex()
+        self.counters: Counter[str] = Counter()  # stored, present, hits, misses, dropped_*, errors_*, quarantined_*
+        self._attach()
+
+    def _attach(self) -> None:
+        """The namespace's directory and its manifest: written by the first engine, compared by every other."""
+        manifest, wanted = self.dir / "manifest.json", self.namespace.manifest()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if not manifest.exists():  # else, or if another engine links it first, its manifest is checked
+                self._publish(manifest, [json.dumps(wanted, indent=1, sort_keys=True).encode()])
+            found = json.loads(manifest.read_text())
+        except (OSError, ValueError) as error:
+            raise TierError(f"shared tier directory {self.dir}: {error}") from error
+        if found != json.loads(json.dumps(wanted)):
+            raise TierError(f"{manifest} was written for another namespace than this engine's: {found} "
+                            f"(this engine: {wanted})")
+
+    def path(self, key: RecordKey) -> Path:
+        name = encode_key(key).hex()
+        return self.dir / name[2:4] / f"{name}.kvr"
+
+    def exists(self, keys: Sequence[RecordKey]) -> list[bool]:
+        return [self.path(key).exists() for key in keys]
+
+    def put(self, records: Sequence[tuple[RecordKey, Bytes]]) -> list[str]:
+        return [self._put(key, payload) for key, payload in records]
+
+    def _put(self, key: RecordKey, payload: Bytes) -> str:
+        final = self.path(key)
+        try:
+            if final.exists():  # no write amplification: the record is there already
+                outcome = "present"
+            else:
+                final.parent.mkdir(exist_ok=True)
+                outcome = "stored" if self._publish(final, list(seal(self.namespace, key, payload))) else "present"
+        except OSError as error:  # a full disk, a read-only directory: the engine goes on without this record
+            outcome = f"dropped:{_reason(error)}"
+        self.counters[outcome.replace(":", "_")] += 1
+        return outcome
+
+    @staticmethod
+    def _publish(final: Path, pieces: list[Bytes]) -> bool:
+        """Write, fsync, link: ``final`` appears whole or not at all, and never replaces a record. False: another
+        writer linked it first."""
+        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                for piece in pieces:
+                    view = memoryview(piece).cast("B")
+                    while view:
+                        view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.link(tmp, final)
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+        directory = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        return True
+
+    def get(self, keys: Sequence[RecordKey], into: Sequence[memoryview]) -> list[bool]:
+        return [self._get(key, buffer) for key, buffer in zip(keys, into)]
+
+    def _get(self, key: RecordKey, into: memoryview) -> bool:
+        path, header = self.path(key), bytearray(header_size(key))
+        payload = memoryview(into).cast("B")[:self.payload_len]
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self.counters["misses"] += 1
+            return False
+        except OSError as error:
+            self.counters[f"errors_{_reason(error)}"] += 1
+            return False
+        try:
+            got = os.preadv(fd, [header, payload], 0)
+            size = got if got < len(header) + len(payload) else os.fstat(fd).st_size  # a longer file is refused
+            check_record(header, payload, size, self.namespace, key)
+        except RecordError as bad:
+            self._quarantine(path, bad.reason)
+            return False
+        except OSError as error:  # transient or not, it deletes nothing
+            self.counters[f"errors_{_reason(error)}"] += 1
+            return False
+        finally:
+            os.close(fd)
+        self.counters["hits"] += 1
+        return True
+
+    def _quarantine(self, path: Path, reason: str) -> None:
+        self.counters[f"quarantined_{reason}"] += 1
+        quarantine = self.dir / "quarantine"
+        try:
+            quarantine.mkdir(exist_ok=True)
+            os.replace(path, quarantine / f"{path.stem}.{reason}.{uuid.uuid4().hex[:8]}")
+        except OSError:  # moved by another reader already, or the directory refuses: it is never served either way
+            pass
+
+    def delete(self, keys: Sequence[RecordKey]) -> None:
+        for key in keys:
+            self.path(key).unlink(missing_ok=True)

@@ -1,0 +1,169 @@
+"""The filesystem tier on real files and real processes: the first writer wins, a killed writer leaves nothing that
+is served, a damaged record is quarantined and counted, an I/O error is a miss that deletes nothing, and another
+namespace never reads a record."""
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import attrs
+import pytest
+
+from kvoffload.impl.tiers import FileTier, TierError
+from kvoffload.spec.records import Namespace
+
+NS = Namespace(model="tiny-llama", weights="sha256:0f3a", kv_dtype="bfloat16", kv_layout="kv_first", block_size=16,
+               hash_block_size=16, hash_algorithm="sha256", hash_seed="none-hash:0")
+PAYLOAD = 4096
+KEY = bytes(range(32))
+
+
+def payload(seed: int) -> bytes:
+    return bytes((seed * 31 + i * 7) % 251 for i in range(PAYLOAD))
+
+
+def read(tier: FileTier, key=KEY) -> bytes | None:
+    buffer = bytearray(PAYLOAD)
+    return bytes(buffer) if tier.get([key], [memoryview(buffer)])[0] else None
+
+
+def test_a_record_comes_back_and_a_second_put_writes_nothing(tmp_path):
+    tier = FileTier(tmp_path, NS, PAYLOAD)
+    assert tier.put([(KEY, payload(1)), (5, payload(2))]) == ["stored", "stored"]
+    assert tier.put([(KEY, payload(3))]) == ["present"]
+    assert read(tier) == payload(1) and read(tier, 5) == payload(2)
+    assert tier.exists([KEY, 5, 6]) == [True, True, False]
+    assert read(tier, 6) is None and tier.counters["misses"] == 1
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_replica_attaching_later_reads_the_first_ones_records(tmp_path):
+    FileTier(tmp_path, NS, PAYLOAD).put([(KEY, payload(1))])
+    assert read(FileTier(tmp_path, NS, PAYLOAD)) == payload(1)
+
+
+def test_another_namespace_never_reads_a_record(tmp_path):
+    FileTier(tmp_path, NS, PAYLOAD).put([(KEY, payload(1))])
+    for other in (attrs.evolve(NS, kv_dtype="float8_e4m3fn"), NS.next_epoch(), attrs.evolve(NS, tenant="b")):
+        assert read(FileTier(tmp_path, other, PAYLOAD)) is None
+
+
+def test_a_record_copied_into_another_namespace_is_quarantined(tmp_path):
+    """A record placed under another namespace's directory (by hand, or a digest collision) fails its check."""
+    mine, other = FileTier(tmp_path, NS, PAYLOAD), FileTier(tmp_path, NS.next_epoch(), PAYLOAD)
+    mine.put([(KEY, payload(1))])
+    other.path(KEY).parent.mkdir(parents=True)
+    os.link(mine.path(KEY), other.path(KEY))
+    assert read(other) is None and other.counters["quarantined_namespace"] == 1
+    assert not other.path(KEY).exists() and read(mine) == payload(1)
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda data: data[:-1], "short"), (lambda data: data + b"x", "length"),
+    (lambda data: data[:100] + bytes([data[100] ^ 4]) + data[101:], "checksum"),
+    (lambda data: b"XXXX" + data[4:], "magic")])
+def test_a_damaged_record_is_quarantined_counted_and_missed(tmp_path, damage, reason):
+    tier = FileTier(tmp_path, NS, PAYLOAD)
+    tier.put([(KEY, payload(1))])
+    path = tier.path(KEY)
+    data = path.read_bytes()
+    path.unlink()
+    path.write_bytes(damage(data))
+    assert read(tier) is None and tier.counters[f"quarantined_{reason}"] == 1
+    assert not path.exists() and len(list((tier.dir / "quarantine").iterdir())) == 1
+    assert tier.put([(KEY, payload(1))]) == ["stored"] and read(tier) == payload(1)  # written again, whole
+
+
+def test_the_manifest_is_checked_at_attach(tmp_path):
+    tier = FileTier(tmp_path, NS, PAYLOAD)
+    manifest = json.loads((tier.dir / "manifest.json").read_text())
+    assert manifest["namespace"]["model"] == "tiny-llama"
+    manifest["namespace"]["kv_dtype"] = "float16"
+    (tier.dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TierError, match="another namespace"):
+        FileTier(tmp_path, NS, PAYLOAD)
+
+
+def _race(root, seed, barrier, results):
+    tier = FileTier(root, NS, PAYLOAD)
+    barrier.wait()
+    results.put((seed, tier.put([(KEY, payload(seed))])[0]))
+
+
+def test_the_first_writer_wins_across_processes(tmp_path):
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(6), context.Queue()
+    writers = [context.Process(target=_race, args=(tmp_path, seed, barrier, results)) for seed in range(6)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(30)
+    outcomes = dict(results.get(timeout=5) for _ in writers)
+    winners = [seed for seed, outcome in outcomes.items() if outcome == "stored"]
+    assert len(winners) == 1 and set(outcomes.values()) == {"stored", "present"}
+    assert read(FileTier(tmp_path, NS, PAYLOAD)) == payload(winners[0])  # whole, the winner's
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+KILLED_WRITER = textwrap.dedent("""
+    import os, sys, time
+    from kvoffload.impl.tiers import fs
+    from tests.unit.test_fs_tier import KEY, NS, PAYLOAD, payload
+
+    real_fsync = os.fsync
+    def stall(fd):  # the record is written, not yet durable nor linked: the writer dies here
+        print("writing", flush=True)
+        time.sleep(60)
+    fs.os.fsync = stall
+    fs.FileTier(sys.argv[1], NS, PAYLOAD).put([(KEY, payload(1))])
+""")
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_that_is_served(tmp_path):
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert writer.stdout.readline().strip() == "writing"
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(10)
+    tier = FileTier(tmp_path, NS, PAYLOAD)
+    assert list(tmp_path.rglob("*.tmp")) and not tier.exists([KEY])[0]  # only its temporary file is left
+    assert read(tier) is None
+    assert tier.put([(KEY, payload(2))]) == ["stored"] and read(tier) == payload(2)
+
+
+FD_STARVED_READER = textwrap.dedent("""
+    import os, resource, sys
+    from kvoffload.impl.tiers import FileTier
+    from tests.unit.test_fs_tier import KEY, NS, PAYLOAD
+
+    tier = FileTier(sys.argv[1], NS, PAYLOAD)
+    held = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    try:
+        while True:
+            held.append(open(os.devnull))
+    except OSError:
+        pass  # no descriptor left: every open fails with EMFILE now
+    buffer = bytearray(PAYLOAD)
+    print(tier.get([KEY], [memoryview(buffer)]), dict(tier.counters))
+""")
+
+
+def test_an_io_error_is_a_miss_that_deletes_nothing(tmp_path):
+    tier = FileTier(tmp_path, NS, PAYLOAD)
+    tier.put([(KEY, payload(1))])
+    done = subprocess.run([sys.executable, "-c", FD_STARVED_READER, str(tmp_path)], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), timeout=60)
+    assert done.stdout.strip() == "[False] {'errors_EMFILE': 1}", done.stderr
+    assert read(tier) == payload(1)  # still there, whole
+
+
+def test_a_store_that_cannot_write_drops_the_record_and_says_why(tmp_path):
+    tier = FileTier(tmp_path, NS, PAYLOAD)
+    (tier.dir / tier.path(KEY).parent.name).write_text("not a directory")  # the fan-out directory is a file
+    assert tier.put([(KEY, payload(1))]) == ["dropped:EEXIST"] and tier.counters["dropped_EEXIST"] == 1
+    assert read(tier) is None
