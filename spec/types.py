@@ -6,6 +6,7 @@ the other, and they need neither torch nor vLLM.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Literal, NamedTuple, Protocol, runtime_checkable
 
 from attrs import define, field, frozen
@@ -27,8 +28,16 @@ def key_index(j: int, k: int) -> int:
 
 def group_key(block_hash: Key, group: int) -> Key:
     """A block's key in KV cache group ``group`` (vLLM's offload key: hash and group). Group 0's is the hash itself,
-    so a model with one group keys its blocks by their hashes."""
-    return block_hash if group == 0 else hash((block_hash, group)) & HASH_BITS
+    so a model with one group keys its blocks by their hashes. The same in every process, as keys shared by a fleet
+    must be: vLLM's block hashes are bytes, whose ``hash()`` Python salts per process, so they go through BLAKE2b
+    (an int's ``hash()``, and a tuple of ints', is unsalted)."""
+    if group == 0:
+        return block_hash
+    raw: object = block_hash  # typed as the spec's int keys; vLLM's adapter passes its bytes through
+    if isinstance(raw, bytes):
+        return int.from_bytes(hashlib.blake2b(raw, digest_size=8, person=b"group%d" % group).digest(),
+                              "little") & HASH_BITS
+    return hash((block_hash, group)) & HASH_BITS
 
 
 def offload_keys(block_hashes: list[Key], k: int, start: int = 0, stop: int | None = None) -> list[Key]:

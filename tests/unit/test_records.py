@@ -73,3 +73,20 @@ def test_any_flipped_bit_is_caught(payload, data):
     record[bit // 8] ^= 1 << bit % 8
     with pytest.raises(RecordError):
         check(record[:header_size(KEY)], record[header_size(KEY):])
+
+
+KEYS_IN_A_PROCESS = ("from kvoffload.spec import group_key; "
+                     "print([group_key(bytes(range(32)), g) for g in (1, 2)], group_key(12345, 3))")
+
+
+def test_a_groups_key_is_the_same_in_every_process():
+    """Replicas share records by key, so a later group's key must not depend on the process: vLLM's block hashes
+    are bytes, and Python salts the hash() of bytes per process (PYTHONHASHSEED)."""
+    import subprocess
+    import sys
+
+    keys = {subprocess.run([sys.executable, "-c", KEYS_IN_A_PROCESS], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "random")}
+    assert len(keys) == 1, keys
+    first = keys.pop()
+    assert "[" in first and first.count(",") == 1  # two distinct group keys, and one int key
