@@ -7,8 +7,8 @@ filesystem (``kvoffload.spec.records`` says what a record is and what a reader c
 
 Publishing is atomic and idempotent: a record is written under a unique temporary name beside its final one,
 fsynced, and linked to the final name, which fails if that name exists (the first writer wins, and no reader ever
-sees part of a record); then the directory is fsynced. A writer killed midway leaves a temporary file no reader
-opens.
+sees part of a record); once per batch, each directory it linked into is fsynced. A writer killed midway leaves a
+temporary file no reader opens.
 
 Reading sizes the read from our config, never from the file, and checks the record before its payload is used. A
 record that fails the check is moved to quarantine and counted. Any other error (EIO, EMFILE, a record that vanished)
@@ -36,6 +36,14 @@ def _reason(error: OSError) -> str:
     return errno.errorcode.get(error.errno or 0, type(error).__name__)
 
 
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class FileTier:
     def __init__(self, root: str | os.PathLike[str], namespace: Namespace, payload_len: int) -> None:
         self.root, self.namespace, self.payload_len = Path(root), namespace, payload_len
@@ -50,6 +58,7 @@ class FileTier:
             self.dir.mkdir(parents=True, exist_ok=True)
             if not manifest.exists():  # else, or if another engine links it first, its manifest is checked
                 self._publish(manifest, [json.dumps(wanted, indent=1, sort_keys=True).encode()])
+                _fsync_directory(self.dir)
             found = json.loads(manifest.read_text())
         except (OSError, ValueError) as error:
             raise TierError(f"shared tier directory {self.dir}: {error}") from error
@@ -65,7 +74,13 @@ class FileTier:
         return [self.path(key).exists() for key in keys]
 
     def put(self, records: Sequence[tuple[RecordKey, Bytes]]) -> list[str]:
-        return [self._put(key, payload) for key, payload in records]
+        outcomes = [self._put(key, payload) for key, payload in records]
+        for directory in {self.path(key).parent for (key, _), outcome in zip(records, outcomes) if outcome == "stored"}:
+            try:
+                _fsync_directory(directory)
+            except OSError as error:  # the records are whole either way: a crash may only lose their names
+                self.counters[f"errors_{_reason(error)}"] += 1
+        return outcomes
 
     def _put(self, key: RecordKey, payload: Bytes) -> str:
         final = self.path(key)
@@ -100,11 +115,6 @@ class FileTier:
             return False
         finally:
             tmp.unlink(missing_ok=True)
-        directory = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
         return True
 
     def get(self, keys: Sequence[RecordKey], into: Sequence[memoryview]) -> list[bool]:
