@@ -13,6 +13,11 @@ temporary file no reader opens.
 Reading sizes the read from our config, never from the file, and checks the record before its payload is used. A
 record that fails the check is moved to quarantine and counted. Any other error (EIO, EMFILE, a record that vanished)
 is a miss, counted by its errno, and deletes nothing: other replicas may be reading that record.
+
+Capacity is one byte budget for the whole directory, whoever wrote into it: ``reclaim`` counts every namespace's
+records (old epochs included) and deletes the least recently used first. A lookup or a read renews a record's lease
+(its mtime), and no record is reclaimed within ``lease`` seconds of that, so one promised at lookup is still there
+at the load. (A reader that has the file open keeps reading it whatever happens to its name.)
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -71,7 +77,18 @@ class FileTier:
         return self.dir / name[2:4] / f"{name}.kvr"
 
     def exists(self, keys: Sequence[RecordKey]) -> list[bool]:
-        return [self.path(key).exists() for key in keys]
+        """Which records are there; each one found has its lease renewed (a load of it is likely to follow)."""
+        return [self._renew(self.path(key)) for key in keys]
+
+    def _renew(self, path: Path) -> bool:
+        try:
+            os.utime(path)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as error:  # e.g. a read-only directory: the record is there, its lease just not renewed
+            self.counters[f"errors_{_reason(error)}"] += 1
+            return path.exists()
 
     def put(self, records: Sequence[tuple[RecordKey, Bytes]]) -> list[str]:
         outcomes = [self._put(key, payload) for key, payload in records]
@@ -144,6 +161,7 @@ class FileTier:
         finally:
             os.close(fd)
         self.counters["hits"] += 1
+        self._renew(path)
         return True
 
     def _quarantine(self, path: Path, reason: str) -> None:
@@ -158,3 +176,23 @@ class FileTier:
     def delete(self, keys: Sequence[RecordKey]) -> None:
         for key in keys:
             self.path(key).unlink(missing_ok=True)
+
+    def reclaim(self, budget: int, lease: float = 30.0) -> int:
+        """Delete the least recently used records of every namespace under the root (and temporary files a killed
+        writer left) until they fit ``budget`` bytes, never one used within ``lease`` seconds; the bytes freed."""
+        files = []
+        for pattern in ("*/*/*.kvr", "*/*/.*.tmp"):
+            for path in self.root.glob(pattern):
+                try:
+                    stat = path.stat()
+                except FileNotFoundError:  # reclaimed by another replica meanwhile
+                    continue
+                files.append((stat.st_mtime, stat.st_size, path))
+        used, freed, now = sum(size for _, size, _ in files), 0, time.time()
+        for mtime, size, path in sorted(files):
+            if used - freed <= budget or now - mtime < lease:
+                break
+            path.unlink(missing_ok=True)
+            freed += size
+        self.counters["reclaimed_bytes"] += freed
+        return freed

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import attrs
 import pytest
@@ -167,3 +168,41 @@ def test_a_store_that_cannot_write_drops_the_record_and_says_why(tmp_path):
     (tier.dir / tier.path(KEY).parent.name).write_text("not a directory")  # the fan-out directory is a file
     assert tier.put([(KEY, payload(1))]) == ["dropped:EEXIST"] and tier.counters["dropped_EEXIST"] == 1
     assert read(tier) is None
+
+
+def _age(tier: FileTier, keys, seconds_ago: float) -> None:
+    for key in keys:
+        stamp = time.time() - seconds_ago
+        os.utime(tier.path(key), (stamp, stamp))
+
+
+def test_the_budget_holds_for_the_whole_directory_oldest_first(tmp_path):
+    """Two replicas (here: an engine before and after a weight update) share one directory and one budget."""
+    old, new = FileTier(tmp_path, NS, PAYLOAD), FileTier(tmp_path, NS.next_epoch(), PAYLOAD)
+    old.put([(i, payload(i)) for i in range(6)])
+    new.put([(i, payload(i)) for i in range(6, 12)])
+    _age(old, range(6), 600)
+    _age(new, range(6, 12), 300)
+    record = old.path(0).stat().st_size
+    assert new.reclaim(budget=8 * record, lease=60) == 4 * record  # one budget, summed over both namespaces
+    assert old.exists(range(6)) == [False] * 4 + [True] * 2 and all(new.exists(range(6, 12)))
+    assert sum(p.stat().st_size for p in tmp_path.rglob("*.kvr")) <= 8 * record
+
+
+def test_a_record_looked_up_within_its_lease_is_never_reclaimed(tmp_path):
+    tier = FileTier(tmp_path, NS, PAYLOAD)
+    tier.put([(i, payload(i)) for i in range(5)])
+    _age(tier, range(5), 600)
+    assert tier.exists([1, 3]) == [True, True]  # a lookup promises them: their leases start now
+    tier.reclaim(budget=0, lease=60)
+    assert [read(tier, i) for i in range(5)] == [None, payload(1), None, payload(3), None]
+
+
+def test_a_killed_writers_temporary_file_is_reclaimed_once_old(tmp_path):
+    tier = FileTier(tmp_path, NS, PAYLOAD)
+    tier.put([(KEY, payload(1))])
+    stale = tier.path(KEY).with_name(".stale.tmp")
+    stale.write_bytes(b"x" * 100)
+    os.utime(stale, (time.time() - 600, time.time() - 600))
+    tier.reclaim(budget=tier.path(KEY).stat().st_size, lease=60)
+    assert not stale.exists() and read(tier) == payload(1)
