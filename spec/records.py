@@ -25,6 +25,7 @@ record, another namespace, another key under this name, a flipped bit all fail i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -70,7 +71,7 @@ class Namespace:
     @property
     def digest(self) -> bytes:
         """16 bytes that change with any field: the namespace as every record and directory names it."""
-        return hashlib.blake2b(json.dumps(asdict(self), sort_keys=True).encode(), digest_size=16).digest()
+        return _digest(self)
 
     def next_epoch(self) -> Namespace:
         """After a weight update or a reset: no record of this epoch is reachable from the next one."""
@@ -79,6 +80,11 @@ class Namespace:
     def manifest(self) -> dict[str, Any]:
         """What a store keeps beside a namespace's records, to check at every attach."""
         return {"format": VERSION, "namespace": asdict(self)}
+
+
+@functools.lru_cache(maxsize=64)  # every record written and read asks for it
+def _digest(namespace: Namespace) -> bytes:
+    return hashlib.blake2b(json.dumps(asdict(namespace), sort_keys=True).encode(), digest_size=16).digest()
 
 
 def encode_key(key: RecordKey) -> bytes:
