@@ -25,9 +25,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -51,11 +53,19 @@ def _fsync_directory(path: Path) -> None:
 
 
 class FileTier:
-    def __init__(self, root: str | os.PathLike[str], namespace: Namespace, payload_len: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], namespace: Namespace, payload_len: int,
+                 io_threads: int = 4) -> None:
         self.root, self.namespace, self.payload_len = Path(root), namespace, payload_len
         self.dir = self.root / namespace.digest.hex()
         self.counters: Counter[str] = Counter()  # stored, present, hits, misses, dropped_*, errors_*, quarantined_*
+        self._lock = threading.Lock()  # the I/O threads count too
+        # a batch's records are read and written in parallel: the reads, writes, fsyncs and checksums release the GIL
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-fs")
         self._attach()
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[what] += n
 
     def _attach(self) -> None:
         """The namespace's directory and its manifest: written by the first engine, compared by every other."""
@@ -87,16 +97,16 @@ class FileTier:
         except FileNotFoundError:
             return False
         except OSError as error:  # e.g. a read-only directory: the record is there, its lease just not renewed
-            self.counters[f"errors_{_reason(error)}"] += 1
+            self._count(f"errors_{_reason(error)}")
             return path.exists()
 
     def put(self, records: Sequence[tuple[RecordKey, Bytes]]) -> list[str]:
-        outcomes = [self._put(key, payload) for key, payload in records]
+        outcomes = list(self._pool.map(lambda record: self._put(*record), records))
         for directory in {self.path(key).parent for (key, _), outcome in zip(records, outcomes) if outcome == "stored"}:
             try:
                 _fsync_directory(directory)
             except OSError as error:  # the records are whole either way: a crash may only lose their names
-                self.counters[f"errors_{_reason(error)}"] += 1
+                self._count(f"errors_{_reason(error)}")
         return outcomes
 
     def _put(self, key: RecordKey, payload: Bytes) -> str:
@@ -109,7 +119,7 @@ class FileTier:
                 outcome = "stored" if self._publish(final, list(seal(self.namespace, key, payload))) else "present"
         except OSError as error:  # a full disk, a read-only directory: the engine goes on without this record
             outcome = f"dropped:{_reason(error)}"
-        self.counters[outcome.replace(":", "_")] += 1
+        self._count(outcome.replace(":", "_"))
         return outcome
 
     @staticmethod
@@ -135,7 +145,7 @@ class FileTier:
         return True
 
     def get(self, keys: Sequence[RecordKey], into: Sequence[memoryview]) -> list[bool]:
-        return [self._get(key, buffer) for key, buffer in zip(keys, into)]
+        return list(self._pool.map(self._get, keys, into))
 
     def _get(self, key: RecordKey, into: memoryview) -> bool:
         path, header = self.path(key), bytearray(header_size(key))
@@ -143,10 +153,10 @@ class FileTier:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            self.counters["misses"] += 1
+            self._count("misses")
             return False
         except OSError as error:
-            self.counters[f"errors_{_reason(error)}"] += 1
+            self._count(f"errors_{_reason(error)}")
             return False
         try:
             got = os.preadv(fd, [header, payload], 0)
@@ -156,16 +166,16 @@ class FileTier:
             self._quarantine(path, bad.reason)
             return False
         except OSError as error:  # transient or not, it deletes nothing
-            self.counters[f"errors_{_reason(error)}"] += 1
+            self._count(f"errors_{_reason(error)}")
             return False
         finally:
             os.close(fd)
-        self.counters["hits"] += 1
+        self._count("hits")
         self._renew(path)
         return True
 
     def _quarantine(self, path: Path, reason: str) -> None:
-        self.counters[f"quarantined_{reason}"] += 1
+        self._count(f"quarantined_{reason}")
         quarantine = self.dir / "quarantine"
         try:
             quarantine.mkdir(exist_ok=True)
@@ -194,5 +204,5 @@ class FileTier:
                 break
             path.unlink(missing_ok=True)
             freed += size
-        self.counters["reclaimed_bytes"] += freed
+        self._count("reclaimed_bytes", freed)
         return freed
