@@ -31,9 +31,12 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from kvoffload.spec.records import Bytes, Namespace, RecordError, RecordKey, check_record, encode_key, header_size, seal
+
+
+T = TypeVar("T")
 
 
 class TierError(Exception):
@@ -60,8 +63,14 @@ class FileTier:
         self.counters: Counter[str] = Counter()  # stored, present, hits, misses, dropped_*, errors_*, quarantined_*
         self._lock = threading.Lock()  # the I/O threads count too
         # a batch's records are read and written in parallel: the reads, writes, fsyncs and checksums release the GIL
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-fs")
+        self._pool, self._threads = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-fs"), io_threads
         self._attach()
+
+    def _in_parallel(self, each: Callable[..., T], items: list[tuple[Any, ...]]) -> list[T]:
+        """``each(*item)`` for every item, in order; a contiguous slice of the batch per I/O thread."""
+        share = -(-len(items) // self._threads) or 1
+        slices = [items[i:i + share] for i in range(0, len(items), share)]
+        return [r for part in self._pool.map(lambda part: [each(*item) for item in part], slices) for r in part]
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -101,7 +110,7 @@ class FileTier:
             return path.exists()
 
     def put(self, records: Sequence[tuple[RecordKey, Bytes]]) -> list[str]:
-        outcomes = list(self._pool.map(lambda record: self._put(*record), records))
+        outcomes = self._in_parallel(self._put, list(records))
         for directory in {self.path(key).parent for (key, _), outcome in zip(records, outcomes) if outcome == "stored"}:
             try:
                 _fsync_directory(directory)
@@ -145,7 +154,7 @@ class FileTier:
         return True
 
     def get(self, keys: Sequence[RecordKey], into: Sequence[memoryview]) -> list[bool]:
-        return list(self._pool.map(self._get, keys, into))
+        return self._in_parallel(self._get, list(zip(keys, into)))
 
     def _get(self, key: RecordKey, into: memoryview) -> bool:
         path, header = self.path(key), bytearray(header_size(key))
