@@ -50,9 +50,9 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 from kvoffload.impl.testing import LayeredKV  # noqa: E402
 from kvoffload.impl.vllm_connector import KVOffloadConnector  # noqa: E402
 from kvoffload.impl.testing.harness import BLOCK_SIZE, make_scheduler  # noqa: E402
+from kvoffload.spec.executor import Executor  # noqa: E402
 from kvoffload.spec.groups import FULL_ATTENTION, Group  # noqa: E402
 from kvoffload.spec.types import group_key  # noqa: E402
-from kvoffload.spec.executor import Executor  # noqa: E402
 
 VOCAB = 512
 PARTIAL = 1  # the bytes of a block whose tokens are not all computed yet
