@@ -64,12 +64,16 @@ class Config:
     # Only a connector that declares GROUPS (vLLM's SupportsHMA) sees more than one; for any other, the engine
     # turns its hybrid manager off and every layer gets full-attention blocks, as vLLM does.
     groups: tuple[Group, ...] = FULL_ATTENTION
+    # A shared store's existence check may take several steps; a lookup that finds it unanswered this many times
+    # gives up on it (a miss), so that a slow or dead store never holds a request back for long.
+    lookup_deadline: int = 3
 
     def __attrs_post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "offload_block_size", "tier_blocks", "token_budget",
                      "num_workers"):
             _require_positive(name, getattr(self, name))
         _require_non_negative("num_spec_tokens", self.num_spec_tokens)
+        _require_non_negative("lookup_deadline", self.lookup_deadline)
         if self.offload_block_size % self.block_size:
             raise ConfigError(
                 f"offload_block_size ({self.offload_block_size} tokens) must be a multiple of "

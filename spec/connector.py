@@ -37,18 +37,21 @@ Worker side
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
 from functools import partial
 from typing import Callable, ClassVar, Sequence, cast
 
-from attrs import define, field
+from attrs import define, evolve, field
 
 from .config import Config, UnknownRequestError, registered
 from .groups import longest_hit
+from .records import Namespace
+from .store import Answer, SharedTier
 from .tier import Tier
-from .types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, BlockIds, Copy, Event, Job,
-                    Key, Observation, RequestView, SchedulerOutput, TransferKind, TransferPlan, WorkerOutput,
-                    group_key, offload_keys)
+from .types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, SHARED, TRANSFER_FAILURES, BlockIds, Copy,
+                    Event, Job, Key, Observation, RequestView, SchedulerOutput, TransferKind, TransferPlan,
+                    WorkerOutput, group_key, offload_keys)
 from .executor import Executor
 from .memory import ListKV
 
@@ -58,9 +61,10 @@ class Transfer:
     """One request's copies in one direction, built by the scheduler side; a worker submits it as a ``Job``."""
 
     job_id: int
-    req_id: str
+    req_id: str  # "" for a put or a get: they belong to the tier, not to a request
     kind: TransferKind
     copies: tuple[Copy, ...]
+    epoch: int = 0  # a put's or a get's: the namespace epoch its records belong to
 
     @property
     def keys(self) -> list[Key]:
@@ -68,8 +72,21 @@ class Transfer:
 
 
 @define
+class SharedLookup:
+    """A waiting request's lookup in the shared store, for one admission: one existence check, then at most one get
+    of the records it found into the tier. Once settled, the request is answered from the tier alone."""
+
+    keys: list[Key]  # asked about: the request's keys the tier lacks
+    answer: Answer
+    asks: int = 0  # lookups that found the check unanswered
+    get: int | None = None  # the get in flight for it
+    settled: bool = False
+
+
+@define
 class SpecConnector:
-    capabilities: ClassVar[frozenset[str]] = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET, GROUPS})
+    capabilities: ClassVar[frozenset[str]] = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET, GROUPS,
+                                                        SHARED})
     config: Config
     tier: Tier = field()
     requests: dict[str, RequestView] = field(factory=dict)
@@ -83,6 +100,13 @@ class SpecConnector:
     flush_next: set[int] = field(factory=set)  # stores reading blocks freed at a finish, for the next plan
     refusing: set[str] = field(factory=set)  # fault injection: the tier refuses these requests' next store
     next_job_id: int = 0
+    # the shared store (attach_shared_tier): this engine's namespace (its shard's, on a worker side), the store
+    namespace: Namespace | None = None
+    open_store: Callable[[Namespace, int], SharedTier] | None = None
+    lookups: dict[str, SharedLookup] = field(factory=dict)  # waiting requests' lookups in the store
+    pending_gets: list[Transfer] = field(factory=list)  # for the next plan
+    unput: list[Key] = field(factory=list)  # entries stored since the last plan, to put into the store
+    views: dict[Namespace, SharedTier] = field(factory=dict)  # the store, opened per namespace (epoch)
     # worker side (kv and executor: set by register_kv_caches)
     _kv: ListKV | None = None
     _executor: Executor | None = None
@@ -96,16 +120,65 @@ class SpecConnector:
         return Tier.with_policy(self.config.policy, self.config.tier_blocks)
 
     # ---- scheduler side ------------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.requests[request.req_id] = request
         if any(t.req_id == request.req_id for t in self.unfinished.values()):
             return 0, False
+        if self.namespace is not None and not self._shared_settled(request, num_computed_tokens):
+            return None, False  # ask again: the store has not answered, or its records are on their way
+        end = self._hit(request, num_computed_tokens, self._in_tier)
+        return (end - num_computed_tokens, True) if end > num_computed_tokens else (0, False)
+
+    def _hit(self, request: RequestView, computed: int, present: Callable[[Key], bool]) -> int:
+        """The longest hit every group can supply, in tokens, leaving one to compute: offload blocks before
+        ``computed`` are on the GPU, the others must be ``present``."""
         sizes, keys = self.config.offload_block_sizes, self._keys(request)
         limit = min(request.num_tokens - 1, len(request.block_hashes) * self.config.block_size)
-        end = longest_hit(self.config.groups, sizes, limit,  # offload blocks before num_computed_tokens: on the GPU
-                          lambda g, j: (j + 1) * sizes[g] <= num_computed_tokens
-                          or self.tier.lookup([group_key(keys[g][j], g)]) == 1)
-        return (end - num_computed_tokens, True) if end > num_computed_tokens else (0, False)
+        return longest_hit(self.config.groups, sizes, limit,
+                           lambda g, j: (j + 1) * sizes[g] <= computed or present(group_key(keys[g][j], g)))
+
+    def _in_tier(self, key: Key) -> bool:
+        return self.tier.lookup([key]) == 1
+
+    def _hit_keys(self, request: RequestView, computed: int, end: int) -> list[Key]:
+        """The keys a load of tokens ``[computed, end)`` reads: every group's offload blocks there, but a sliding
+        window's older ones, which the load skips."""
+        k, keys = self.config.k, self._keys(request)
+        return list(dict.fromkeys(
+            group_key(keys[g][i // k], g)
+            for g, (group, size) in enumerate(zip(self.config.groups, self.config.block_sizes))
+            for i in range(max(computed // size, group.skipped_blocks(end, size)), end // size)))
+
+    def _shared_settled(self, request: RequestView, computed: int) -> bool:
+        """The shared store's part of a lookup; False: ask again. The first lookup asks the store about the keys
+        the tier lacks. Once it answers, the records that lengthen the hit are reserved in the tier (with the
+        hit's entries already there, kept) and fetched by one get; the lookup is settled when the get ends, when
+        the hit needs no record, when the tier has no room for them, or when the store missed the deadline
+        (``Config.lookup_deadline`` lookups): a late answer is a miss, never an endless "ask again"."""
+        lookup = self.lookups.get(request.req_id)
+        if lookup is None:
+            keys = self._keys(request)
+            missing = [group_key(key, g) for g, group_keys in enumerate(keys) for key in group_keys]
+            missing = [key for key in dict.fromkeys(missing) if not self._in_tier(key)]
+            lookup = self.lookups[request.req_id] = SharedLookup(missing, self._shared().ask(missing))
+        if lookup.settled or lookup.get is not None:
+            return lookup.settled
+        if not lookup.answer.done():
+            lookup.asks += 1
+            lookup.settled = lookup.asks > self.config.lookup_deadline
+            return lookup.settled
+        found = {key for key, there in zip(lookup.keys, lookup.answer.result()) if there}
+        end = self._hit(request, computed, lambda key: self._in_tier(key) or key in found)
+        wanted = self._hit_keys(request, computed, end)
+        lookup.settled = True
+        if not any(key in found and not self._in_tier(key) for key in wanted):
+            return True
+        fetch = self.tier.prepare_store(wanted)  # keeps the hit's entries, reserves the records' (ATOMIC if None)
+        if fetch:
+            get = self._new_transfer("", "get", [(NULL_BLOCK, key, s) for key in fetch for s in range(self.config.k)])
+            self.pending_gets.append(get)
+            lookup.get, lookup.settled = get.job_id, False
+        return lookup.settled
 
     def _keys(self, request: RequestView) -> list[list[Key]]:
         """Each group's offload keys, as far as they exist (the key rule at the group's block size)."""
@@ -121,6 +194,7 @@ class SpecConnector:
 
     def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds, num_external_tokens: int) -> None:
         req = self._known(request.req_id)
+        self.lookups.pop(req.req_id, None)
         tables = self.block_tables[req.req_id] = self._tables(block_ids)
         self.cursors[req.req_id] = 0
         if num_external_tokens:
@@ -134,11 +208,12 @@ class SpecConnector:
             self.pending_loads.append(load)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
-        meta = TransferPlan(self.pending_loads, [], frozenset(self.delayed))
+        meta = TransferPlan(self.pending_loads, [], frozenset(self.delayed), self.pending_gets, self._puts())
         preempted = scheduler_output.preempted_req_ids
         flush = self.flush_next | {t.job_id for t in self.unfinished.values() if t.req_id in preempted
                                    and t.kind == "store"}
         self.pending_loads, self.delayed, self.flush_next = [], set(), set()
+        self.pending_gets = []
         for req_id in preempted & self.block_tables.keys():  # it may have finished since
             self.block_tables[req_id], self.cursors[req_id] = self._tables(None), 0
         for s in scheduler_output.scheduled:
@@ -189,8 +264,18 @@ class SpecConnector:
                   if group_key(keys[g][j], g) in accepted for s in range(k)]
         return self._new_transfer(req.req_id, "store", copies)
 
+    def _puts(self) -> list[Transfer]:
+        """One put of the entries stored since the last plan that the tier still holds, each pinned until it ends
+        (a promotion may have evicted one meanwhile, a reset made it stale)."""
+        keys, self.unput = [key for key in self.unput if self._in_tier(key)], []
+        if not keys:
+            return []
+        self.tier.pin(keys)
+        return [self._new_transfer("", "put", [(NULL_BLOCK, key, s) for key in keys for s in range(self.config.k)])]
+
     def _new_transfer(self, req_id: str, kind: TransferKind, copies: list[Copy]) -> Transfer:
-        transfer = Transfer(self.next_job_id, req_id, kind, tuple(copies))
+        epoch = self.namespace.epoch if self.namespace is not None else 0
+        transfer = Transfer(self.next_job_id, req_id, kind, tuple(copies), epoch)
         self.next_job_id += 1
         self.unfinished[transfer.job_id] = transfer
         return transfer
@@ -207,16 +292,27 @@ class SpecConnector:
             transfer, success = self.unfinished.pop(job_id), job_id not in self.failed
             del self.reports[job_id]
             self.failed.discard(job_id)
-            if transfer.kind == "store":
-                self.tier.complete_store(transfer.keys, success)
-            else:
-                self.tier.complete_load(transfer.keys, success)
+            self._completed(transfer, success)
+
+    def _completed(self, transfer: Transfer, success: bool) -> None:
+        """A transfer every worker reported. A store's new entries are put into the shared store with the next
+        plan; a get's records became tier entries, or left none, and its lookup is settled."""
+        if transfer.kind == "store":
+            stored = self.tier.complete_store(transfer.keys, success)
+            if self.namespace is not None:
+                self.unput += stored
+        elif transfer.kind == "get":
+            self.tier.complete_store(transfer.keys, success)
+            for lookup in self.lookups.values():
+                lookup.settled |= lookup.get == transfer.job_id
+        else:  # a put never makes its entries stale: the tier still holds what it read
+            self.tier.complete_load(transfer.keys, success or transfer.kind == "put")
 
     def request_finished(self, request: RequestView, block_ids: BlockIds) -> bool:
         """Delay the free while a store reads the blocks; a store reading a block the request no longer holds (a
         window freed it as the request finished) is flushed with the next plan, before that block is reused."""
         self._known(request.req_id)
-        for state in (self.requests, self.block_tables, self.cursors):
+        for state in (self.requests, self.block_tables, self.cursors, self.lookups):
             state.pop(request.req_id, None)
         self.refusing.discard(request.req_id)
         held = {b for table in self._tables(block_ids) for b in table}
@@ -228,7 +324,12 @@ class SpecConnector:
         return delay
 
     def reset_cache(self) -> bool:
+        """Every entry goes stale, and the engine moves to its namespace's next epoch: no record written before
+        the reset is reachable after it, and no replica's store is wiped."""
         self.tier.reset()
+        self.lookups.clear()
+        if self.namespace is not None:
+            self.namespace = self.namespace.next_epoch()
         return True
 
     def take_events(self) -> list[Event]:
@@ -243,6 +344,18 @@ class SpecConnector:
     # ---- worker side ---------------------------------------------------------------------------------------
     def register_kv_caches(self, kv: ListKV, executor: Executor) -> None:
         self._kv, self._executor = kv, executor
+
+    def attach_shared_tier(self, open: Callable[[Namespace, int], SharedTier], namespace: Namespace) -> None:
+        self.open_store, self.namespace = open, namespace
+
+    def _shared(self, epoch: int | None = None) -> SharedTier:
+        """The store's records of this engine's namespace at ``epoch`` (by default, the current one)."""
+        namespace = registered(self.namespace, "namespace")
+        if epoch is not None:
+            namespace = evolve(namespace, epoch=epoch)
+        if namespace not in self.views:
+            self.views[namespace] = registered(self.open_store, "open_store")(namespace, 8 * self.config.k)
+        return self.views[namespace]
 
     @property
     def kv(self) -> ListKV:
@@ -259,10 +372,14 @@ class SpecConnector:
         self.draining |= metadata.delayed
         for load in metadata.loads:
             self._submit(load, partial(self._copy_in, load))
+        for get in metadata.gets:
+            self._submit(get, partial(self._get, get))
 
     def wait_for_save(self, metadata: TransferPlan) -> None:
         for store in metadata.stores:
             self._submit(store, partial(self._copy_out, store))
+        for put in metadata.puts:
+            self._submit(put, partial(self._put, put))
 
     def _copy_in(self, load: Transfer) -> None:  # tier -> GPU
         for b, key, s in load.copies:
@@ -271,9 +388,24 @@ class SpecConnector:
     def _copy_out(self, store: Transfer) -> None:  # GPU -> tier
         self.tier_bytes.update({(key, s): self.kv.read(b) for b, key, s in store.copies})
 
-    def _submit(self, transfer: Transfer, run: Callable[[], None]) -> None:
+    def _get(self, get: Transfer) -> bool:  # shared store -> tier: all of its records, or none
+        k, keys = self.config.k, get.keys
+        buffers = [bytearray(8 * k) for _ in keys]
+        if not all(self._shared(get.epoch).get(keys, [memoryview(b) for b in buffers])):
+            return False
+        for key, buffer in zip(keys, buffers):
+            self.tier_bytes.update({(key, s): content for s, content in enumerate(struct.unpack(f"<{k}q", buffer))})
+        return True
+
+    def _put(self, put: Transfer) -> None:  # tier -> shared store; a record it drops is counted by the store
+        k = self.config.k
+        self._shared(put.epoch).put([(key, struct.pack(f"<{k}q", *(self.tier_bytes[key, s] for s in range(k))))
+                                    for key in put.keys])
+
+    def _submit(self, transfer: Transfer, run: Callable[[], bool | None]) -> None:
         for b, _key, _s in transfer.copies:
-            self.kv.check(b)
+            if b != NULL_BLOCK:  # a put or a get touches no GPU block
+                self.kv.check(b)
         self.submitted[transfer.job_id] = transfer
         self.executor.submit(Job(transfer.job_id, transfer.req_id, transfer.kind, transfer.copies, run))
 

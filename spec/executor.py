@@ -54,7 +54,7 @@ class Executor:
         if success:
             if job.kind == "store" and self.before_store:
                 self.before_store(job)
-            job.run()
+            success = job.run() is not False
         elif job.kind == "load" and self.kv is not None:
             for block in job.gpu_blocks:  # a load that failed midway leaves garbage behind
                 self.kv.write(block, GARBAGE)

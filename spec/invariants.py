@@ -23,11 +23,13 @@ if TYPE_CHECKING:
     from .types import GpuKV, Job
     from .executor import Executor
     from .requests import Request
+    from .store import Store
     from .world import World
 
-SPEC_VERSION = "0.7"
+SPEC_VERSION = "0.8"
 
-SAFETY = ("TRACK", "SRC", "DST", "CONTENT", "REF", "ATOMIC", "CURSOR", "JOBS", "FINISH", "FAIL", "LOOKUP")
+SAFETY = ("TRACK", "SRC", "DST", "CONTENT", "REF", "ATOMIC", "CURSOR", "JOBS", "FINISH", "FAIL", "LOOKUP",
+          "CAPACITY", "KEEP", "WRITE-ONCE")
 LIVENESS = ("RELEASE", "QUIESCE", "PROGRESS")
 
 
@@ -145,7 +147,6 @@ def store_bytes(world: World, job: Job, kv: GpuKV) -> None:
     bug's drift), reads a block already rewritten for another request, a block whose last tokens are not computed
     yet, or a rejected draft's KV, would put foreign bytes under the key. Only keys the engine has hashed exist.
     """
-    from .requests import kv_content
     req, k = world.history[job.req_id], world.config.k
     keys = {group_key(h, g): (i, g) for g in range(len(world.groups)) for i, h in enumerate(req.block_hashes)}
     for block, key, sub in job.copies:
@@ -156,7 +157,7 @@ def store_bytes(world: World, job: Job, kv: GpuKV) -> None:
         block_hash = last - (k - 1 - sub) * m  # the last hash of the block at index sub
         _require(block_hash >= 0, "SRC", f"step {world.step_no}: store job {job.job_id} of {job.req_id} stores "
                                          f"key {key:#x} at index {sub}, before the request's first block")
-        _require(kv.holds(block, kv_content(group_key(req.block_hashes[block_hash], group), job.epoch)), "SRC",
+        _require(kv.holds(block, world.kv_of(group_key(req.block_hashes[block_hash], group), job.epoch)), "SRC",
                  f"step {world.step_no}: store job {job.job_id} of {job.req_id} reads GPU block {block} for "
                  f"position {block_hash // m}" + (f" of group {group}" if group else "")
                  + ", but the block holds other bytes")
@@ -181,15 +182,13 @@ def content(world: World) -> None:
     read of a reused block, a store of a not-yet-computed slot or of a rejected draft, and a tier entry that
     outlived a weight update all surface here as wrong bytes.
     """
-    from .requests import kv_content
-
     for req in world.requests.values():
         for g, (table, size) in enumerate(zip(req.tables, world.block_sizes)):
             for i in range(req.num_final_tokens // size):
                 if table[i] == NULL_BLOCK:  # a sliding window's block that no position reads any more
                     continue
                 for worker, kv in enumerate(world.kvs):
-                    _require(kv.holds(table[i], kv_content(world.block_hash(req.content_hashes, i, g), world.epoch)),
+                    _require(kv.holds(table[i], world.kv_of(world.block_hash(req.content_hashes, i, g))),
                              "CONTENT", f"step {world.step_no}, request {req.req_id}: block {table[i]} (position {i}"
                                         + (f" of group {g}" if g else "") + ") does not hold its prefix's KV"
                                         + (f" on worker {worker}" if worker else ""))
@@ -202,8 +201,6 @@ def landed(world: World, req: Request) -> None:
     Prevents a hit that ends inside a block of a group with larger blocks (aligned to a smaller group's blocks
     only) whose load skips that block: the engine would attend to whatever the block held before.
     """
-    from .requests import kv_content
-
     done = req.load_target
     for g, (table, size) in enumerate(zip(req.tables, world.block_sizes)):
         i = done // size
@@ -213,7 +210,7 @@ def landed(world: World, req: Request) -> None:
         _require(last < len(req.content_hashes), "CONTENT",
                  f"step {world.step_no}, request {req.req_id}: its load landed at token {done}, inside block "
                  f"{table[i]} of group {g}, whose tokens are not all known: nothing could have filled it")
-        whole = kv_content(group_key(req.content_hashes[last], g), world.epoch)
+        whole = world.kv_of(group_key(req.content_hashes[last], g))
         for worker, kv in enumerate(world.kvs):
             _require(kv.holds(table[i], whole), "CONTENT",
                      f"step {world.step_no}, request {req.req_id}: its load landed at token {done}, inside block "
@@ -222,22 +219,22 @@ def landed(world: World, req: Request) -> None:
 
 
 def ref(world: World, obs: Observation) -> None:
-    """REF — tier ref counts equal the in-flight loads that read each entry; not-ready entries are exactly the
-    keys of in-flight stores.
+    """REF — tier ref counts equal the in-flight transfers that read each entry (loads, and puts into the shared
+    store); not-ready entries are exactly the keys of in-flight transfers that write one (stores, and gets).
 
-    Prevents evicting an entry a load still reads (the slot is reused, the load copies another prefix) and ghost
+    Prevents evicting an entry a load or a put still reads (the slot is reused, it copies another prefix) and ghost
     entries that stay not-ready forever (the tier fills up and refuses every store).
     """
     loads: Counter[int] = Counter()
     storing: set[int] = set()
     for job in world.open_jobs.values():
         for key in dict.fromkeys(key for _b, key, _s in job.copies):
-            if job.kind == "load":
+            if job.kind in ("load", "put"):
                 loads[key] += 1
             else:
                 storing.add(key)
     for key, ready, refs in obs.tier:
-        _require(refs == loads[key], "REF", f"key {key:#x}: ref count {refs}, in-flight loads {loads[key]}")
+        _require(refs == loads[key], "REF", f"key {key:#x}: ref count {refs}, in-flight readers {loads[key]}")
         _require(ready == (key not in storing), "REF",
                  f"key {key:#x}: ready={ready} but {'a' if key in storing else 'no'} store is in flight")
     listed = {key for key, _r, _n in obs.tier}
@@ -278,7 +275,8 @@ def cursor(world: World, obs: Observation) -> None:
 def jobs(world: World) -> None:
     """JOBS — per request, one load or any number of stores in flight, never both (checked between rules and
     each time a load is submitted, since an overlap can begin and end inside one step)."""
-    kinds: Counter[tuple[str, str]] = Counter((job.req_id, job.kind) for job in world.open_jobs.values())
+    kinds: Counter[tuple[str, str]] = Counter((job.req_id, job.kind) for job in world.open_jobs.values()
+                                              if job.kind in ("store", "load"))  # puts and gets touch no GPU block
     for (req_id, kind), n in kinds.items():
         _require(kind == "store" or not kinds[req_id, "store"], "JOBS",
                  f"step {world.step_no}: request {req_id} has loads and stores in flight at once")
@@ -371,6 +369,39 @@ def quiesce(world: World, obs: Observation | None) -> None:
                      *(f"key {k:#x} ready={ready} refs={n}" for k, ready, n in obs.tier if not ready or n))
     leftovers = list(leftovers)
     _require(not leftovers, "QUIESCE", "left after draining: " + ", ".join(leftovers))
+
+
+def capacity(store: Store) -> None:
+    """CAPACITY — the store never holds more records than its budget, summed over every namespace and replica.
+
+    Prevents a shared tier that grows until its disk is full (vLLM's fs tier has no bound; LMCache's local disk
+    overran its cap): a budget counted per replica, not per store, lets N replicas fill N times it.
+    """
+    _require(len(store.records) <= store.capacity, "CAPACITY",
+             f"the store holds {len(store.records)} records, over its budget of {store.capacity}")
+
+
+def keep(store: Store) -> None:
+    """KEEP — no connector deletes a record: an error, a miss, a timeout is the reader's problem, and only the store
+    quarantines a record that failed its checks.
+
+    Prevents a transient error (EMFILE, EIO, a timeout) on one replica from deleting records every other replica
+    shares: vLLM's fs tier deletes the file on any load exception.
+    """
+    _require(not store.counters["deleted"], "KEEP",
+             f"a connector deleted {store.counters['deleted']} record(s) of the shared store")
+
+
+def write_once(world: World, job: Job) -> None:
+    """WRITE-ONCE — a record comes into the store once: a connector puts what it computed (what a store brought
+    from the GPU into its tier), never what a get brought from the store.
+
+    Prevents write amplification: a replica that writes back every record it read doubles the store's writes, and
+    wears the disk out, for nothing.
+    """
+    again = sorted({key for _b, key, _s in job.copies} & world.got)
+    _require(not again, "WRITE-ONCE", f"step {world.step_no}: put job {job.job_id} writes back keys "
+                                      f"{', '.join(f'{k:#x}' for k in again)}, which a get brought from the store")
 
 
 def progress(world: World, bound: int) -> None:

@@ -19,9 +19,12 @@ def extend_block_hashes(tokens: list[int], block_size: int, hashes: list[int]) -
         hashes.append(hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size]))) & HASH_BITS)
 
 
-def kv_content(block_hash: int, epoch: int) -> int:
-    """The KV a block holds for the prefix ending in ``block_hash``, computed with the weights of ``epoch``. The
-    same tokens give other KV after a weight update: a tier entry stored before one is stale after it."""
+def kv_content(block_hash: int, epoch: int, identity: int = 0) -> int:
+    """The KV a block holds for the prefix ending in ``block_hash``, computed with the weights of ``epoch`` by an
+    engine of KV identity ``identity`` (its model, dtype, ...: ``records.Namespace``). The same tokens give other KV
+    after a weight update, or in another model: a record of either must never reach this engine's blocks."""
+    if identity:
+        return hash((block_hash, epoch, identity)) & HASH_BITS
     return block_hash if epoch == 0 else hash((block_hash, epoch)) & HASH_BITS
 
 

@@ -181,6 +181,11 @@ class Tier:
             self.entries[key].refs += 1
             self.policy.touch(key)
 
+    def pin(self, keys: list[Key]) -> None:
+        """Pin ready entries that a put into the shared store reads (unpinned by ``complete_load``)."""
+        for key in keys:
+            self.entries[key].refs += 1
+
     def complete_load(self, keys: list[Key], success: bool = True) -> None:
         """Unpin; a failed load makes its entries stale."""
         for key in keys:
@@ -213,8 +218,9 @@ class Tier:
             self.events.append(Event("removed", tuple(victims)))
         return fresh
 
-    def complete_store(self, keys: list[Key], success: bool) -> None:
-        """Make the reserved entries ready; a failed store, or one reset meanwhile, leaves no entry behind."""
+    def complete_store(self, keys: list[Key], success: bool) -> list[Key]:
+        """Make the reserved entries ready; a failed store, or one reset meanwhile, leaves no entry behind. The keys
+        made ready."""
         stored = [key for key in keys if success and not self.entries[key].stale]
         for key in keys:
             if key in stored:
@@ -224,6 +230,7 @@ class Tier:
                 self.policy.remove(key)
         if stored:
             self.events.append(Event("stored", tuple(stored)))
+        return stored
 
     def reset(self) -> None:
         """Forget every entry: the idle ones now, those with transfers in flight once the transfers end."""

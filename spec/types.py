@@ -7,14 +7,20 @@ the other, and they need neither torch nor vLLM.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, Protocol, runtime_checkable
 
 from attrs import define, field, frozen
+
+if TYPE_CHECKING:
+    from .records import Namespace
+    from .store import SharedTier
 
 Key = int  # a tier key: the chained hash of the last GPU block of an offload block (``key_index``), in its group
 HASH_BITS = (1 << 62) - 1
 Copy = tuple[int, Key, int]  # (GPU block id, tier key, index of that GPU block inside the offload block)
-TransferKind = Literal["store", "load"]  # the direction of a transfer: GPU -> tier, or tier -> GPU
+# the direction of a transfer: GPU -> tier, tier -> GPU, or between the tier and the shared store (a "put" copies a
+# tier entry into the store, a "get" a record into the tier; they touch no GPU block: their copies name NULL_BLOCK)
+TransferKind = Literal["store", "load", "put", "get"]
 BlockIds = list[int] | tuple[list[int], ...]  # a block table, or one per KV cache group (GROUPS, hybrid models)
 
 
@@ -114,6 +120,8 @@ class TransferPlan:
     loads: list[Any] = field(factory=list)
     stores: list[Any] = field(factory=list)
     delayed: frozenset[str] = frozenset()  # finished requests whose blocks stay until their transfers drain
+    gets: list[Any] = field(factory=list)  # records to copy from the shared store into the tier
+    puts: list[Any] = field(factory=list)  # tier entries to copy into the shared store
     # stores to finish before the forward pass (``handle_preemptions``): a preempted request's, and those reading a
     # block the engine freed without telling (a sliding window's, while the request ran or as it finished)
     flush: frozenset[int] = frozenset()
@@ -148,7 +156,7 @@ class Job:
     req_id: str
     kind: TransferKind
     copies: tuple[Copy, ...]
-    run: Callable[[], None] = field(repr=False)
+    run: Callable[[], bool | None] = field(repr=False)  # False: it found what it reads missing (a get's record)
     executed: bool = False
     success: bool | None = None  # set when it executes
     reported: bool = False
@@ -156,7 +164,7 @@ class Job:
 
     @property
     def gpu_blocks(self) -> tuple[int, ...]:
-        return tuple(c[0] for c in self.copies)
+        return tuple(c[0] for c in self.copies if c[0] != NULL_BLOCK)
 
 
 @frozen
@@ -226,8 +234,13 @@ RESET = "reset"
 # that a sliding window freed is ``NULL_BLOCK``. Without it the engine gives every layer full-attention blocks.
 GROUPS = "groups"
 NULL_BLOCK = -1  # in a block table: a block the sliding window freed, or never needed (vLLM's null block)
-CAPABILITIES = (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET, GROUPS)
-CAPABILITY_METHODS = {OBSERVE: "observe", REFUSE_STORE: "refuse_next_store", RESET: "reset_cache"}
+# attach_shared_tier(open, namespace): the tier is backed by a store the fleet shares (``store.SharedTier``, opened
+# for a namespace by ``open``); ``namespace`` is the engine's KV identity (``records.Namespace``), this worker's
+# shard on a worker side. Without it, the kit runs every engine of a fleet with its own tier only.
+SHARED = "shared_tier"
+CAPABILITIES = (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET, GROUPS, SHARED)
+CAPABILITY_METHODS = {OBSERVE: "observe", REFUSE_STORE: "refuse_next_store", RESET: "reset_cache",
+                      SHARED: "attach_shared_tier"}
 
 
 # The methods those capabilities promise, for code that has checked the capability (``capabilities_of``).
@@ -241,6 +254,12 @@ class Refusable(Protocol):
 
 class Resettable(Protocol):
     def reset_cache(self) -> bool | None: ...
+
+
+class Shareable(Protocol):
+    def attach_shared_tier(self, open: Callable[[Namespace, int], SharedTier], namespace: Namespace) -> None:
+        """``open(namespace, payload bytes)``: the store's records of one namespace."""
+        ...
 
 
 class Grouped(Protocol):

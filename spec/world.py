@@ -45,9 +45,12 @@ from .config import Config
 from .executor import Executor
 from .groups import FULL_ATTENTION, Group, longest_hit
 from .memory import PARTIAL, BlockPool
+from .records import Namespace
 from .requests import Request, State, continuation, extend_block_hashes, kv_content
+from .store import Store
 from .types import (CONNECTOR_METHODS, NULL_BLOCK, Connector, Event, GpuKV, Grouped, Job, Observable,
-                    Observation, Resettable, ScheduledRequest, SchedulerOutput, WorkerOutput, group_key, key_index)
+                    Observation, Resettable, ScheduledRequest, SchedulerOutput, Shareable, WorkerOutput, group_key,
+                    key_index)
 
 @define
 class StepOutput:
@@ -72,6 +75,8 @@ class World:
     observable: bool = False  # the connector has observe(): check TRACK, REF, CURSOR too
     fenced: bool = False  # the connector frees under in-flight stores and flushes before reuse (types.FENCED_FREES)
     grouped: bool = False  # the connector takes one block table per KV cache group (types.GROUPS)
+    store: Store | None = None  # the store this engine's fleet shares (the connector declared SHARED)
+    identity: int = 0  # the engine's model (0: the default one): engines of other identities compute other KV
     workers: list[Connector] = field(factory=list)  # every worker side, worker 0 first
     kvs: list[GpuKV] = field(factory=list)
     executors: list[Executor] = field(factory=list)
@@ -94,6 +99,7 @@ class World:
     bad_blocks: set[int] = field(factory=set)  # reported invalid, their request's load not yet finished
     failed_loads: set[str] = field(factory=set)  # reported in failed_recving by some worker, not by all finished yet
     window_freed: set[int] = field(factory=set)  # freed by a sliding window, not written since: stores are fenced
+    got: set[int] = field(factory=set)  # keys whose tier entry a get brought from the store (none stored since)
     undelivered: StepOutput | None = None  # async scheduling: the last step's output
     epoch: int = 0  # weight updates so far
     step_no: int = 0
@@ -157,10 +163,24 @@ class World:
         executor.kv = kv
         executor.before_store = lambda job: invariants.store_bytes(self, job, kv)
         executor.on_submit = self._submitted
+        executor.epoch = self.epoch
+        connector.register_kv_caches(kv, executor)
+        if self.store is not None:
+            cast(Shareable, connector).attach_shared_tier(self.store.open, self.namespace(len(self.workers)))
         self.workers.append(connector)
         self.kvs.append(kv)
         self.executors.append(executor)
-        connector.register_kv_caches(kv, executor)
+
+    def namespace(self, rank: int) -> Namespace:
+        """The KV identity of this engine's shard ``rank``: what its records are shared under."""
+        c = self.config
+        return Namespace(model=f"model-{self.identity}", weights="spec", kv_dtype="content-id", kv_layout="spec",
+                         block_size=c.block_size, hash_block_size=c.block_size, hash_algorithm="chained",
+                         hash_seed="0", tp_rank=rank, tp_size=c.num_workers, epoch=self.epoch)
+
+    def kv_of(self, block_hash: int, epoch: int | None = None) -> int:
+        """What a block of this engine holds once computed for the prefix ending in ``block_hash``."""
+        return kv_content(block_hash, self.epoch if epoch is None else epoch, self.identity)
 
     # ---- the engine's inputs -------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], max_tokens: int) -> Request:
@@ -208,6 +228,8 @@ class World:
 
     # ---- one engine step -----------------------------------------------------------------------------------
     def step(self) -> SchedulerOutput:
+        if self.store is not None:
+            self.store.tick()
         for executor in self.executors:
             executor.tick()
         out = self._schedule()
@@ -433,7 +455,7 @@ class World:
             for i in range(start // size, -(-end // size)):
                 invariants.not_in_flight(self, table[i], "written by the forward pass")
                 self.window_freed.discard(table[i])
-                content = kv_content(self.block_hash(hashes, i, g), self.epoch) if end >= (i + 1) * size else PARTIAL
+                content = self.kv_of(self.block_hash(hashes, i, g)) if end >= (i + 1) * size else PARTIAL
                 for kv in self.kvs:
                     kv.write(table[i], content)
 
@@ -471,6 +493,13 @@ class World:
         self.open_jobs.setdefault(job.job_id, job)
         if job.kind == "load":  # a load and a store of one request may not overlap even within a step
             invariants.jobs(self)
+        elif job.kind == "put":
+            invariants.write_once(self, job)
+        keys = {key for _b, key, _s in job.copies}
+        if job.kind == "get":
+            self.got |= keys
+        elif job.kind == "store":
+            self.got -= keys
 
     def _deliver(self, output: StepOutput) -> None:
         self.connector.update_connector_output(output.workers)
@@ -647,11 +676,15 @@ class World:
         return need + sum(len(r.blocks) for r in self.delayed.values()) <= self.config.num_gpu_blocks
 
     def drain(self, max_steps: int = 12) -> None:
-        """Abort everything, let every transfer finish, and check RELEASE and QUIESCE."""
+        """Abort everything, let every transfer finish, and check RELEASE and QUIESCE. With a shared store, a quiet
+        step may still plan puts (a store's completion does): it takes two quiet steps in a row to be drained."""
         for req in list(self.requests.values()):
             self.abort(req)
+        quiet = 0
         for _ in range(max_steps):
-            if not (self.open_jobs or self.delayed or self.finished_since_step or self.undelivered):
+            busy = self.open_jobs or self.delayed or self.finished_since_step or self.undelivered
+            quiet = 0 if busy else quiet + 1
+            if quiet > (2 if self.store is not None else 0):
                 break
             for executor in self.executors:
                 executor.drain()

@@ -16,11 +16,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ..config import Config
 from ..connector import SpecConnector
+from ..fleet import Fleet
 from ..groups import FULL_ATTENTION
 from ..invariants import ConnectorError, Violation
-from ..types import FENCED_FREES, GROUPS, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Refusable
+from ..types import FENCED_FREES, GROUPS, OBSERVE, REFUSE_STORE, RESET, SHARED, TRANSFER_FAILURES, Refusable
 from ..executor import Executor
 from ..memory import ListKV
+from ..store import Store
 from ..world import World
 from .coverage import Coverage
 from .scenario import DEFAULT_SCENARIO, NEEDS, Need, Scenario, capabilities_of, declare, skipped_by
@@ -40,17 +42,19 @@ WEIGHT_UPDATES = declare("reset_prefix_cache(reset_connector=True)", RESET,
 BROKEN_LOADS = declare("broken_loads", TRANSFER_FAILURES, mode="broken_loads")
 HYBRID = declare("the model's KV cache groups", GROUPS, mode="hybrid",
                  note="vLLM turns its hybrid manager off: every layer gets full-attention blocks")
+SHARED_STORE = declare("the fleet's shared store", SHARED, mode="store",
+                       note="every engine keeps its KV to itself: nothing is shared, nothing outlives a restart")
 GUARDED: set[str] = set()  # rules behind a precondition
 
 
-def needs(capability: str | None = None, *, switch: str | None = None,
+def needs(capability: str | None = None, *, switch: str | None = None, mode: str | None = None,
           state: Callable[[ConformanceMachine], object] | None = None) -> Callable[[Rule], Rule]:
     """A rule's precondition, said once: the capability the adapter must declare, the scenario switch that must be
-    on, the state the worlds must be in. The first two also give the rule its skipped/off line in the coverage
-    report; how often the whole precondition held gives its never-held line."""
+    on (or the mode it belongs to), the state the worlds must be in. The first two also give the rule its skipped/off
+    line in the coverage report; how often the whole precondition held gives its never-held line."""
     def decorate(method: Rule) -> Rule:
         name = method.__name__
-        need = declare(name, capability, switch=switch)
+        need = declare(name, capability, switch=switch, mode=mode)
         GUARDED.add(name)
 
         def guard(self: ConformanceMachine) -> bool:
@@ -74,29 +78,39 @@ class ConformanceMachine(RuleBasedStateMachine):
         super().__init__()
         self.trace: list[tuple[str, dict[str, Any]]] = []  # the rules run, with their arguments
         self.failed = False
-        self.worlds = [self._world(self.factory, self.kv_factory)]
+        self.fleets = [self._fleet(self.factory, self.kv_factory)]
         self.declared = capabilities_of(self.subject.connector)
         self.coverage.skipped, self.coverage.off = skipped_by(self.declared, self.scenario)
         self.coverage.examples += 1
-        if self.level == "exact":  # the spec's twin runs the engine the subject gets (hybrid manager on or off)
-            self.worlds.append(self._world(SpecConnector, ListKV, grouped=self.subject.grouped))
+        if self.level == "exact":  # the spec's twin runs the engines the subject gets (hybrid manager, store)
+            self.fleets.append(self._fleet(SpecConnector, ListKV, self.subject.grouped, self.subject.store is not None))
 
-    def _world(self, factory: Callable[[Config], Any], kv_factory: Callable[[int], Any],
-               grouped: bool | None = None) -> World:
+    def _fleet(self, factory: Callable[[Config], Any], kv_factory: Callable[[int], Any], grouped: bool | None = None,
+               shared: bool | None = None) -> Fleet:
+        """The scenario's engines, each built by ``_world``, sharing one store if the scenario has one."""
+        s = self.scenario
+        store = Store(s.store, s.store_delay, up=not s.store_dead) if s.store else None
+        return Fleet(lambda i: self._world(factory, kv_factory, grouped, shared, store, s.identity(i)), s.engines,
+                     store)
+
+    def _world(self, factory: Callable[[Config], Any], kv_factory: Callable[[int], Any], grouped: bool | None,
+               shared: bool | None, store: Store | None, identity: int) -> World:
         """One engine: the adapter's scheduler side and worker 0, then the other workers, each with its shard. A
         hybrid model without GROUPS (or ``grouped`` False) runs as vLLM runs it then: one full-attention group, and
-        the connector is configured with that."""
+        the connector is configured with that. The fleet's store is attached to a connector that declares SHARED
+        (or ``shared``)."""
         config = self.scenario.config
         connector = factory(config)
         declared = capabilities_of(connector)
         grouped = HYBRID.met(declared, self.scenario) if grouped is None else grouped
+        shared = SHARED_STORE.met(declared, self.scenario) if shared is None else shared
         if self.scenario.hybrid and not grouped:
             config = evolve(config, groups=FULL_ATTENTION)
             connector = factory(config)
         world = World(config, connector, kv_factory(config.num_gpu_blocks), Executor(self.scenario.delay),
                       observable=OBSERVED.met(declared, self.scenario),
                       fenced=not DELAYED_FREES.met(declared, self.scenario),  # frees at once, stores fenced
-                      grouped=grouped)
+                      grouped=grouped, store=store if shared else None, identity=identity)
         for _ in range(config.num_workers - 1):
             world.add_worker(factory(config), kv_factory(config.num_gpu_blocks))
         world.executors[-1].fail_loads = BROKEN_LOADS.met(declared, self.scenario)
@@ -104,7 +118,11 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     @property
     def subject(self) -> World:
-        return self.worlds[0]
+        """The adapter's first engine."""
+        return self.fleets[0].engines[0]
+
+    def _live(self) -> list[World]:
+        return [engine for engine in self.fleets[0].engines if engine.requests]
 
     def allows(self, need: Need) -> bool:
         """Whether this adapter and scenario give a rule or check what it needs (not the state it needs)."""
@@ -136,68 +154,81 @@ class ConformanceMachine(RuleBasedStateMachine):
     @rule(batch=st.lists(st.tuples(prompts(), max_tokens()), min_size=1, max_size=4))
     def add_requests(self, batch: list[tuple[list[int], int]]) -> None:
         with self._rule("add_requests", batch=batch):
-            for prompt, max_tokens in batch[:self.scenario.max_live - len(self.subject.requests)]:
-                for world in self.worlds:
-                    world.add_request(prompt, max_tokens)
+            self._add(batch, 0)
+
+    def _add(self, batch: list[tuple[list[int], int]], engine: int) -> None:
+        for prompt, limit in batch[:self.scenario.max_live - len(self.fleets[0].engine(engine).requests)]:
+            for fleet in self.fleets:
+                fleet.engine(engine).add_request(prompt, limit)
 
     @rule(n=st.integers(1, 6))
     def step(self, n: int) -> None:
         with self._rule("step", n=n):
             for _ in range(n):
-                for world in self.worlds:
-                    world.step()
+                for fleet in self.fleets:
+                    fleet.step()
                 self._compare()  # after every engine step: a difference may not outlive the rule
 
-    @needs(state=lambda self: self.subject.requests)
+    @needs(state=lambda self: self._live())
     @rule(i=st.integers(0, 63))
     def abort(self, i: int) -> None:
+        """Abort a live request, picked by index (over every engine of a fleet)."""
         with self._rule("abort", i=i):
-            for world in self.worlds:
-                live = list(world.requests.values())
-                world.abort(live[i % len(live)])
+            for fleet in self.fleets:
+                live = [(engine, req) for engine in fleet.engines for req in engine.requests.values()]
+                engine, req = live[i % len(live)]
+                engine.abort(req)
 
     @rule(reset_connector=st.booleans())
     def reset_prefix_cache(self, reset_connector: bool = False) -> None:
-        """vLLM's ``reset_prefix_cache``; with ``reset_connector`` (and the adapter's 'reset') a weight update: every
-        running request is preempted, the GPU prefix cache and the connector reset, and old KV is wrong from now on."""
+        """vLLM's ``reset_prefix_cache`` (on every engine of a fleet); with ``reset_connector`` (and the adapter's
+        'reset') a weight update: every running request is preempted, the GPU prefix cache and the connector reset,
+        and old KV is wrong from now on."""
         weights = reset_connector and self.allows(WEIGHT_UPDATES)
         with self._rule("reset_prefix_cache", **({"reset_connector": True} if weights else {})):
-            for world in self.worlds:
-                world.update_weights() if weights else world.reset_prefix_cache()
+            for fleet in self.fleets:
+                for world in fleet.engines:
+                    world.update_weights() if weights else world.reset_prefix_cache()
 
-    @needs(REFUSE_STORE, state=lambda self: self.subject.requests)
+    @needs(REFUSE_STORE, state=lambda self: self._live())
     @rule(i=st.integers(0, 63))
     def refuse_next_store(self, i: int) -> None:
-        """The tier refuses the next store allocation made for one live request (picked by index), as a full tier
-        would: the seed bug's trigger."""
+        """The tier refuses the next store allocation made for one live request (picked by index over the fleet),
+        as a full tier would: the seed bug's trigger."""
         with self._rule("refuse_next_store", i=i):
-            for world in self.worlds:
-                live = list(world.requests)
-                cast(Refusable, world.connector).refuse_next_store(live[i % len(live)])  # REFUSE_STORE was checked
+            for fleet in self.fleets:
+                live = [(engine, req) for engine in fleet.engines for req in engine.requests]
+                engine, req_id = live[i % len(live)]
+                cast(Refusable, engine.connector).refuse_next_store(req_id)  # REFUSE_STORE was checked
 
-    @needs(switch="delay", state=lambda self: any(self.subject.in_flight()))
+    @needs(switch="delay", state=lambda self: any(executor.jobs for executor in self.fleets[0].executors()))
     @rule(picks=st.lists(st.tuples(st.integers(0, 63), st.booleans()), min_size=1, max_size=8))
     def advance_transfers(self, picks: list[tuple[int, bool]]) -> None:
-        """Move picked transfers (on any worker) a stage on (execute or fail, then report), in the order given."""
+        """Move picked transfers (on any worker of any engine) a stage on (execute or fail, then report), in the
+        order given."""
         with self._rule("advance_transfers", picks=picks):
             may_fail = self.allows(NEEDS["fail_next_transfer"])  # failures only where that rule injects them
-            for world in self.worlds:
+            for fleet in self.fleets:
                 for i, fail in picks:
-                    world.advance(i, fail and may_fail)
+                    jobs = [(executor, j) for executor in fleet.executors() for j in range(len(executor.jobs))]
+                    if jobs:
+                        executor, j = jobs[i % len(jobs)]
+                        executor.advance(j, fail and may_fail)
 
     @needs(TRANSFER_FAILURES, switch="failures")
     @rule(worker=st.integers(0, 3))
     def fail_next_transfer(self, worker: int = 0) -> None:
-        """The next transfer one worker executes fails (on the others it may succeed)."""
+        """The next transfer one worker (of any engine) executes fails (on the others it may succeed)."""
         with self._rule("fail_next_transfer", worker=worker):
-            for world in self.worlds:
-                world.executors[worker % len(world.executors)].fail_next = True
+            for fleet in self.fleets:
+                executors = list(fleet.executors())
+                executors[worker % len(executors)].fail_next = True
 
     @invariant()
     def invariants_hold(self) -> None:
         with self._guard():
-            for world in self.worlds:
-                world.check()
+            for fleet in self.fleets:
+                fleet.check()
             self._compare()
 
     def teardown(self) -> None:
@@ -205,30 +236,99 @@ class ConformanceMachine(RuleBasedStateMachine):
         try:
             if not self.failed:
                 with self._guard():
-                    if self.subject.fits():
-                        for world in self.worlds:
-                            world.run_to_completion()
+                    if all(engine.fits() for engine in self.fleets[0].engines):
+                        for fleet in self.fleets:
+                            for engine in fleet.engines:
+                                engine.run_to_completion()
                         self._compare()
-                    for world in self.worlds:
-                        world.drain()
+                    for fleet in self.fleets:
+                        for engine in fleet.engines:
+                            engine.drain()
                     self._compare()
         finally:
-            self.coverage.world.update(self.subject.stats)
-            self.coverage.beyond_need.update(self.subject.beyond_need)
+            for stats in self.fleets[0].stats():
+                self.coverage.world.update(stats)
+            for engine in (*self.fleets[0].retired, *self.fleets[0].engines):
+                self.coverage.beyond_need.update(engine.beyond_need)
+            if self.fleets[0].store is not None:
+                self.coverage.world.update({f"store_{k}": n for k, n in self.fleets[0].store.counters.items()})
 
     def _compare(self) -> None:
-        """Exact level: the subject's world and observations equal the spec's, field by field."""
-        if len(self.worlds) < 2:
+        """Exact level: the subject's engines and observations equal the spec's, field by field, and so do the
+        records in their stores."""
+        if len(self.fleets) < 2:
             return
-        mine, spec = self.worlds
-        views = [(name, a, b) for name, a, b in zip(("requests", "delayed frees", "transfers", "events"),
-                                                   mine.snapshot(), spec.snapshot())]
-        if mine.observable:
-            ours, theirs = mine.observe(), spec.observe()
-            views += [(f.name, getattr(ours, f.name), getattr(theirs, f.name)) for f in fields(type(ours))]
-        for name, a, b in views:
-            if a != b:
-                raise Violation("EQUIV", f"step {mine.step_no}: {name} differ\n  connector: {a}\n  spec:      {b}")
+        ours, spec = self.fleets
+        for i, (mine, theirs) in enumerate(zip(ours.engines, spec.engines)):
+            engine = f"engine {i}, " if len(ours.engines) > 1 else ""
+            views = [(name, a, b) for name, a, b in zip(("requests", "delayed frees", "transfers", "events"),
+                                                       mine.snapshot(), theirs.snapshot())]
+            if mine.observable:
+                seen, expected = mine.observe(), theirs.observe()
+                views += [(f.name, getattr(seen, f.name), getattr(expected, f.name)) for f in fields(type(seen))]
+            if ours.store is not None and spec.store is not None:
+                views.append(("store records", tuple(ours.store.records), tuple(spec.store.records)))
+            for name, a, b in views:
+                if a != b:
+                    raise Violation("EQUIV", f"{engine}step {mine.step_no}: {name} differ\n  connector: {a}\n"
+                                             f"  spec:      {b}")
+
+
+class FleetMachine(ConformanceMachine):
+    """The conformance machine for a fleet: requests routed to any engine, one engine's weight update, crashes and
+    restarts, and what happens to a shared store's records."""
+
+    @rule(batch=st.lists(st.tuples(prompts(), max_tokens()), min_size=1, max_size=4), engine=st.integers(1, 3))
+    def route_requests(self, batch: list[tuple[list[int], int]], engine: int) -> None:
+        """New requests, routed to another engine than the first (``add_requests`` routes to the first)."""
+        with self._rule("route_requests", batch=batch, engine=engine):
+            self._add(batch, engine)
+
+    @needs(RESET)
+    @rule(engine=st.integers(0, 3))
+    def update_weights_of(self, engine: int) -> None:
+        """One engine's weights are updated (the others keep theirs): from now on it shares no record with them,
+        and none of its old records is served to it."""
+        with self._rule("update_weights_of", engine=engine):
+            for fleet in self.fleets:
+                fleet.engine(engine).update_weights()
+
+    @needs(mode="restarts")
+    @rule(engine=st.integers(0, 3))
+    def restart_engine(self, engine: int) -> None:
+        """One engine crashes and starts again: its requests and transfers die with it, its GPU pool and tier come
+        back empty; the store keeps what it had."""
+        with self._rule("restart_engine", engine=engine):
+            for fleet in self.fleets:
+                fleet.restart(engine)
+
+    @needs(SHARED, mode="store")
+    @rule(i=st.integers(0, 63), how=st.sampled_from(["vanish", "torn", "flipped"]))
+    def damage_record(self, i: int, how: str) -> None:
+        """A record vanishes (another replica evicted it, a TTL expired), is torn (its writer was killed
+        mid-write) or has a bit flipped; one that a get in flight is about to read, if there is one (the race
+        between an existence check and its get)."""
+        with self._rule("damage_record", i=i, how=how):
+            for fleet in self.fleets:
+                store = cast(Store, fleet.store)
+                getting = frozenset(key for executor in fleet.executors() for job in executor.jobs
+                                    if job.kind == "get" and not job.executed for _b, key, _s in job.copies)
+                store.vanish(i, getting) if how == "vanish" else store.damage(i, how == "torn", getting)
+
+    @needs(SHARED, mode="store")
+    @rule(event=st.sampled_from(["outage", "restart", "restart-empty", "answer"]), i=st.integers(0, 63))
+    def store_event(self, event: str, i: int = 0) -> None:
+        """The store is unreachable for a few steps, restarts with or without its records, or answers one existence
+        check early (picked by index)."""
+        with self._rule("store_event", event=event, **({"i": i} if event == "answer" else {})):
+            for fleet in self.fleets:
+                store = cast(Store, fleet.store)
+                if event == "outage":
+                    store.outage(4)
+                elif event == "answer":
+                    store.answer_early(i)
+                else:
+                    store.restart(keep=event == "restart")
 
 
 def make_machine(factory: Callable[[Config], Any], scenario: Scenario = DEFAULT_SCENARIO, level: Level = "invariants",
@@ -238,6 +338,8 @@ def make_machine(factory: Callable[[Config], Any], scenario: Scenario = DEFAULT_
     Every such machine is named ``Conformance`` unless ``name`` says otherwise: a derandomized profile seeds
     Hypothesis from the machine's name, and the programs a profile runs must not depend on what the factory is
     called (the trace names the adapter)."""
+    base = FleetMachine if scenario.engines > 1 or scenario.store else ConformanceMachine
+    guarded = {rule for rule in GUARDED if hasattr(base, rule) and NEEDS[rule].met_mode(scenario)}
     attrs = dict(factory=staticmethod(factory), kv_factory=staticmethod(kv_factory), scenario=scenario, level=level,
-                 coverage=Coverage(guarded=set(GUARDED)))
-    return type(name or "Conformance", (ConformanceMachine,), attrs)
+                 coverage=Coverage(guarded=guarded))
+    return type(name or "Conformance", (base,), attrs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from attrs import frozen
+from attrs import field, frozen
 
 from ..config import Config
 from ..groups import FULL_ATTENTION
@@ -26,6 +26,17 @@ class Scenario:
     failures: bool = False  # transfers may fail
     max_live: int = 6  # live requests at most
     broken_loads: bool = False  # a persistent fault: every load fails on the last worker (requests must finish)
+    # A fleet: engines behind one router, each of the KV identity ``identities`` gives it (0 by default: one model),
+    # sharing one store of ``store`` records (0: none) whose existence checks take up to ``store_delay`` steps.
+    engines: int = 1
+    identities: tuple[int, ...] = field(default=(), converter=tuple)
+    store: int = 0
+    store_delay: int = 0
+    restarts: bool = False  # engines may crash and restart
+    store_dead: bool = False  # the store never answers: every lookup must give up on it
+
+    def identity(self, engine: int) -> int:
+        return self.identities[engine] if engine < len(self.identities) else 0
 
     @property
     def hybrid(self) -> bool:
@@ -41,6 +52,11 @@ class Scenario:
         modes = "".join((" async" if c.async_scheduling else "", f" spec={c.num_spec_tokens}" * bool(c.num_spec_tokens),
                          f" workers={c.num_workers}" * (c.num_workers > 1), " broken-loads" * self.broken_loads,
                          f" groups={groups}" * (c.groups != FULL_ATTENTION)))
+        if self.engines > 1 or self.store:
+            models = f" models={','.join(map(str, self.identities))}" if any(self.identities) else ""
+            delay = f"/delay={self.store_delay}" if self.store_delay else ""
+            modes += (f" engines={self.engines}{models} store={self.store}{delay}{' dead' * self.store_dead}"
+                      f"{' restarts' * self.restarts}")
         return (f"k={c.k} gpu={c.num_gpu_blocks}{cache} tier={c.tier_blocks} {c.policy} budget={c.token_budget} "
                 f"{timing}{' failures' if self.failures else ''}{modes}")
 
@@ -48,7 +64,8 @@ class Scenario:
 DEFAULT_SCENARIO = Scenario()  # Scenario is frozen: one instance serves as every default
 
 # How the coverage report says that a switch is off (default: "the scenario has <switch>=<value>").
-SWITCHED_OFF = {"delay": "the scenario completes transfers at submit (delay=0)"}
+SWITCHED_OFF = {"delay": "the scenario completes transfers at submit (delay=0)",
+                "store": "the scenario has no shared store (store=0)"}
 
 
 class SkippedRule(UserWarning):
@@ -94,7 +111,11 @@ class Need:
         return None
 
     def met(self, declared: frozenset[str], scenario: Scenario) -> bool:
-        return self.gap(declared, scenario) is None and (self.mode is None or bool(getattr(scenario, self.mode)))
+        return self.gap(declared, scenario) is None and self.met_mode(scenario)
+
+    def met_mode(self, scenario: Scenario) -> bool:
+        """The scenario runs the mode this belongs to (or it belongs to every mode)."""
+        return self.mode is None or bool(getattr(scenario, self.mode))
 
 
 NEEDS: dict[str, Need] = {}  # every rule and check with a need, by the name the coverage report gives it
