@@ -5,25 +5,34 @@ from __future__ import annotations
 from typing import Any
 
 from kvoffload.spec.config import Config
-from kvoffload.spec.types import GROUPS, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, Observation
+from kvoffload.spec.records import Namespace
+from kvoffload.spec.types import GROUPS, OBSERVE, REFUSE_STORE, RESET, SHARED, TRANSFER_FAILURES, Observation
 
 from .scheduler import OffloadScheduler
+from .shared import STORE_COUNTERS, Opener
 from .worker import OffloadWorker
 
 
 class OffloadConnector(OffloadScheduler, OffloadWorker):
-    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET, GROUPS})
+    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET, GROUPS, SHARED})
 
     def __init__(self, config: Config) -> None:
         OffloadScheduler.__init__(self, config)
         OffloadWorker.__init__(self, config)
 
+    def attach_shared_tier(self, open: Opener, namespace: Namespace) -> None:
+        """Both sides: the scheduler's existence checks, this shard's puts and gets."""
+        OffloadScheduler.attach_shared_tier(self, open, namespace)
+        if self._copier is not None:  # a worker side here too (vLLM's scheduler role has none)
+            self.attach_worker_store(open, namespace)
+
     def stats(self) -> dict[str, Any]:
         """Counters for operators: hits, lookups, refusals, evictions, failures, bytes and seconds per direction."""
         seconds = getattr(self.executor, "seconds", {})
+        store = self.worker_store.counters() if self.worker_store else dict.fromkeys(STORE_COUNTERS, 0)
         return {**self.counters, "alloc_failures": self.tier.refusals, "evictions": self.tier.evictions,
                 "bytes_stored": self.bytes["store"], "bytes_loaded": self.bytes["load"],
-                "store_seconds": seconds.get("store", 0.0), "load_seconds": seconds.get("load", 0.0)}
+                "store_seconds": seconds.get("store", 0.0), "load_seconds": seconds.get("load", 0.0), **store}
 
     # ---- for the conformance kit ----
     def observe(self) -> Observation:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Callable
 
 from attrs import define, field
 
 from kvoffload.spec.config import Config, UnknownRequestError
-from kvoffload.spec.types import (NULL_BLOCK, BlockIds, Copy, Event, RequestView, SchedulerOutput, TransferKind,
+from kvoffload.spec.records import Namespace
+from kvoffload.spec.store import Answer
+from kvoffload.spec.types import (NULL_BLOCK, BlockIds, Copy, Event, Key, RequestView, SchedulerOutput, TransferKind,
                                   TransferPlan, WorkerOutput, group_key, key_index, offload_keys)
 
+from .shared import Opener, SharedStore
 from .tier import OffloadTier
 
 
@@ -28,6 +32,19 @@ class RequestState:
     unfinished: int = 0  # transfers built and not yet reported by every worker
     unfinished_stores: int = 0  # of which stores
     allocated: bool = False  # blocks were allocated at least once (a lookup alone tracks nothing)
+    store_lookup: StoreLookup | None = None  # its lookup in the shared store, until it is admitted
+
+
+@define(slots=True)
+class StoreLookup:
+    """A waiting request's existence check in the shared store: asked once per admission, answered or given up
+    after ``Config.lookup_deadline`` lookups, then at most one get of the records that lengthen its hit."""
+
+    keys: list[Key]
+    answer: Answer
+    unanswered: int = 0
+    get_job: int | None = None
+    settled: bool = False
 
 
 @define(slots=True)
@@ -35,13 +52,14 @@ class Transfer:
     """One request's copies in one direction, built by the scheduler side; a worker submits it as a ``Job``."""
 
     job_id: int
-    req_id: str
+    req_id: str  # "" for a put or a get: the tier's, not a request's
     kind: TransferKind
     keys: list[int]  # distinct, in order
-    copies: list[Copy]  # (GPU block, key, index of that GPU block inside its offload block)
+    copies: list[Copy]  # (GPU block, key, index of that GPU block inside its offload block); NULL_BLOCK: put, get
     host_rows: list[int]  # host row of each copy
     reports: int = 0  # workers that reported it
     success: bool = True  # every report so far was a success
+    epoch: int = 0  # a put's or a get's: the namespace epoch of its records
 
     @property
     def gpu_blocks(self) -> list[int]:
@@ -72,7 +90,12 @@ class OffloadScheduler:
         self._leaving: set[int] = set()  # keys that left the tier: their origins go once no unread event names them
         self._job_ids = itertools.count()
         self.counters = dict.fromkeys(("lookups", "hit_tokens", "stored_blocks", "loaded_blocks",
-                                       "failed_stores", "failed_loads"), 0)
+                                       "failed_stores", "failed_loads", "shared_lookups", "shared_deadline_misses",
+                                       "shared_got_blocks", "shared_failed_gets", "shared_put_blocks"), 0)
+        self.shared: SharedStore | None = None  # the shared store, once attached (for existence checks)
+        self._pending_gets: list[Transfer] = []
+        self._get_for: dict[int, RequestState] = {}  # a get in flight -> the request whose lookup it serves
+        self._unput: list[Key] = []
 
     def _state(self, req_id: str) -> RequestState:
         state = self.requests.get(req_id)
@@ -80,31 +103,35 @@ class OffloadScheduler:
             raise UnknownRequestError(f"unknown request id {req_id!r}: the connector never saw it")
         return state
 
-    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self.requests.get(request.req_id)
         if state is None:
             state = self.requests[request.req_id] = RequestState(request, [[] for _ in self.windows])
         self.counters["lookups"] += 1
         if state.unfinished:
             return 0, False  # no load while this request's stores are in flight
+        if self.shared is not None and not self._store_settled(self.shared, state, num_computed_tokens):
+            return None, False  # ask again: the store has not answered, or its records are on their way
+        end = self._hit_end(request, num_computed_tokens, self.tier.is_ready)
+        return (end - num_computed_tokens, True) if end > num_computed_tokens else (0, False)
+
+    def _hit_end(self, request: RequestView, computed: int, ready: Callable[[Key], bool]) -> int:
+        """Where the longest hit from ``computed`` ends, its offload blocks all ``ready``."""
         hashes, k, size = request.block_hashes, self.k, self.offload_size
         if self.grouped:
-            last = min(request.num_tokens - 1, len(hashes) * self.block_size)
-            end = self._groups_hit(hashes, num_computed_tokens, last)
-            return (end - num_computed_tokens, True) if end > num_computed_tokens else (0, False)
-        first = j = num_computed_tokens // size
+            return self._groups_hit(hashes, computed, min(request.num_tokens - 1, len(hashes) * self.block_size),
+                                    ready)
+        j = computed // size
         limit = min((request.num_tokens - 1) // size, len(hashes) // k)
-        key = key_index(first, k)  # then each offload block's key is k hashes further
-        while j < limit and self.tier.is_ready(hashes[key]):
+        key = key_index(j, k)  # then each offload block's key is k hashes further
+        while j < limit and ready(hashes[key]):
             j, key = j + 1, key + k
-        if j == first:
-            return 0, False
-        return j * size - num_computed_tokens, True
+        return j * size
 
-    def _ready(self, hashes: list[int], g: int, j: int) -> bool:
-        return self.tier.is_ready(group_key(hashes[key_index(j, self.strides[g])], g))
+    def _ready(self, hashes: list[int], g: int, j: int, ready: Callable[[Key], bool]) -> bool:
+        return ready(group_key(hashes[key_index(j, self.strides[g])], g))
 
-    def _groups_hit(self, hashes: list[int], computed: int, last: int) -> int:
+    def _groups_hit(self, hashes: list[int], computed: int, last: int, ready: Callable[[Key], bool]) -> int:
         """The furthest token a hit can end at (at most ``last``; offload blocks before ``computed`` are on the
         GPU) such that every group finds what it reads there in the tier: full attention every offload block, up to
         its first missing one; a window its last ones. Windows lower the end until all of them agree (vLLM's fixed
@@ -113,31 +140,100 @@ class OffloadScheduler:
         for g, (window, size) in enumerate(zip(self.windows, self.offload_sizes)):
             if window is None:
                 j = computed // size
-                while (j + 1) * size <= end and self._ready(hashes, g, j):
+                while (j + 1) * size <= end and self._ready(hashes, g, j, ready):
                     j += 1
                 end = min(end, j * size // step * step)
         while end > computed:
             lowered = end
             for g, (window, size) in enumerate(zip(self.windows, self.offload_sizes)):
                 if window is not None:
-                    lowered = self._window_end(hashes, g, -(-(window - 1) // size), computed, lowered)
+                    lowered = self._window_end(hashes, g, -(-(window - 1) // size), computed, lowered, ready)
             if lowered == end:
                 break
             end = lowered
         return end
 
-    def _window_end(self, hashes: list[int], g: int, need: int, computed: int, end: int) -> int:
+    def _window_end(self, hashes: list[int], g: int, need: int, computed: int, end: int,
+                    ready: Callable[[Key], bool]) -> int:
         """The furthest hit end at most ``end`` whose last ``need`` offload blocks of windowed group ``g`` (those
         after ``computed``) are ready: below the highest missing one, until none is missing."""
         size = self.offload_sizes[g]
         while end > computed:
             top = end // size
             missing = next((j for j in range(top - 1, max(computed // size, top - need) - 1, -1)
-                            if not self._ready(hashes, g, j)), None)
+                            if not self._ready(hashes, g, j, ready)), None)
             if missing is None:
                 return end
             end = missing * size // self.hit_step * self.hit_step
         return end
+
+    # ---- the shared store ----
+    def attach_shared_tier(self, open: Opener, namespace: Namespace) -> None:
+        self.shared = SharedStore(open, namespace, payload=0)  # the scheduler side reads no record
+
+    def _store_settled(self, shared: SharedStore, state: RequestState, computed: int) -> bool:
+        """The shared store's part of a lookup (False: ask again): one existence check of the keys the tier lacks,
+        then one get of the records that lengthen the hit into reserved tier slots (the hit's entries kept).
+        Settled once the get ends, when nothing needs getting or there is no room, or past the deadline."""
+        lookup = state.store_lookup
+        if lookup is None:
+            hashes = state.request.block_hashes
+            keys = dict.fromkeys(group_key(h, g) for g, n in enumerate(self.strides) for h in offload_keys(hashes, n))
+            missing = [key for key in keys if not self.tier.is_ready(key)]
+            lookup = state.store_lookup = StoreLookup(missing, shared.at().ask(missing))
+            self.counters["shared_lookups"] += 1
+        if lookup.settled or lookup.get_job is not None:
+            return lookup.settled
+        if not lookup.answer.done():
+            lookup.unanswered += 1
+            lookup.settled = lookup.unanswered > self.config.lookup_deadline
+            self.counters["shared_deadline_misses"] += lookup.settled
+            return lookup.settled
+        found = {key for key, there in zip(lookup.keys, lookup.answer.result()) if there}
+        lookup.settled = True
+        if not found:
+            return True
+        end = self._hit_end(state.request, computed, lambda key: self.tier.is_ready(key) or key in found)
+        read = self._keys_read(state.request.block_hashes, computed, end)
+        if any(key in found and not self.tier.is_ready(key) for key in read):
+            slots = self.tier.prepare_store(list(read))  # the hit's entries kept, the records' reserved
+            if slots:
+                k = self.k
+                for key in slots:
+                    if read[key][1]:  # a later group's key: its event names the hash and the group
+                        self.origin[key] = read[key]
+                get = self._new_transfer(None, "get", list(slots),
+                                         [(NULL_BLOCK, key, sub) for key in slots for sub in range(k)],
+                                         [slot * k + sub for slot in slots.values() for sub in range(k)])
+                self._pending_gets.append(get)
+                self._get_for[get.job_id] = state
+                lookup.get_job, lookup.settled = get.job_id, False
+        return lookup.settled
+
+    def _keys_read(self, hashes: list[int], computed: int, end: int) -> dict[Key, tuple[int, int]]:
+        """The keys a load of tokens [computed, end) reads (every group's, but the blocks a window skips), each
+        with its block hash and group."""
+        k, read = self.k, {}
+        for g, (size, n) in enumerate(zip(self.block_sizes, self.strides)):
+            for p in range(max(computed // size, self._left_behind(g, end)), end // size):
+                block_hash = hashes[key_index(p // k, n)]
+                read[group_key(block_hash, g)] = (block_hash, g)
+        return read
+
+    def _puts(self) -> list[Transfer]:
+        """One put of what the tier stored since the last plan and still holds, pinned until it ends; before this
+        plan's stores may evict it."""
+        keys, self._unput = [key for key in self._unput if self.tier.is_ready(key)], []
+        if not keys:
+            return []
+        self.tier.pin(keys)
+        k, rows = self.k, list[int]()
+        for key in keys:
+            slot = self.tier.slot_of[key]
+            rows += range(slot * k, slot * k + k)
+        self.counters["shared_put_blocks"] += len(keys) * k
+        return [self._new_transfer(None, "put", keys, [(NULL_BLOCK, key, sub) for key in keys for sub in range(k)],
+                                   rows)]
 
     def _tables(self, block_ids: BlockIds | tuple[int, ...] | tuple[tuple[int, ...], ...]) -> list[list[int]]:
         return [list(t) for t in block_ids] if self.hybrid else [list(block_ids)]  # type: ignore[arg-type]
@@ -145,7 +241,7 @@ class OffloadScheduler:
     def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds, num_external_tokens: int) -> None:
         state = self._state(request.req_id)
         tables = state.block_tables = self._tables(block_ids)
-        state.cursor, state.allocated = 0, True
+        state.cursor, state.allocated, state.store_lookup = 0, True, None
         self.counters["hit_tokens"] += num_external_tokens  # counted once the engine commits to the load
         if num_external_tokens:
             k, hashes = self.k, request.block_hashes
@@ -159,17 +255,23 @@ class OffloadScheduler:
             host_rows = [slot_of[key] * k + sub for _block, key, sub in copies]
             self._pending_loads.append(self._new_transfer(state, "load", load_keys, copies, host_rows))
 
-    def _new_transfer(self, state: RequestState, kind: TransferKind, keys: list[int], copies: list[Copy],
+    def _new_transfer(self, state: RequestState | None, kind: TransferKind, keys: list[int], copies: list[Copy],
                       host_rows: list[int]) -> Transfer:
-        transfer = Transfer(next(self._job_ids), state.request.req_id, kind, keys, copies, host_rows)
+        """A transfer of a request (``state``), or of the tier (None: a put or a get)."""
+        epoch = self.shared.namespace.epoch if self.shared is not None else 0
+        transfer = Transfer(next(self._job_ids), state.request.req_id if state else "", kind, keys, copies, host_rows,
+                            epoch=epoch)
         self.unfinished[transfer.job_id] = transfer
-        state.unfinished += 1
-        state.unfinished_stores += kind == "store"
+        if state is not None:
+            state.unfinished += 1
+            state.unfinished_stores += kind == "store"
         return transfer
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
-        plan = TransferPlan(self._pending_loads, delayed=frozenset(self._delayed))
+        plan = TransferPlan(self._pending_loads, delayed=frozenset(self._delayed), gets=self._pending_gets,
+                            puts=self._puts() if self._unput else [])
         flush, self._pending_loads, self._delayed, self._flush_next = self._flush_next, [], set(), set()
+        self._pending_gets = []
         preempted = scheduler_output.preempted_req_ids
         if preempted:  # their stores finish before the forward pass may write their blocks for someone else
             flush |= {t.job_id for t in self.unfinished.values() if t.kind == "store" and t.req_id in preempted}
@@ -293,13 +395,29 @@ class OffloadScheduler:
                 state.unfinished -= 1
                 state.unfinished_stores -= transfer.kind == "store"
             if transfer.kind == "store":
-                self.tier.complete_store(transfer.keys, success)
+                stored = self.tier.complete_store(transfer.keys, success)
                 if not success:
                     self._leaving.update(transfer.keys)
+                if self.shared is not None:
+                    self._unput += stored
                 self.counters["stored_blocks" if success else "failed_stores"] += len(transfer.copies)
+            elif transfer.kind == "get":
+                self._got(transfer, success)
+            elif transfer.kind == "put":
+                self.tier.complete_load(transfer.keys)  # unpinned; a failed put leaves the tier's entry as it was
             else:
                 self.tier.complete_load(transfer.keys, success)
                 self.counters["loaded_blocks" if success else "failed_loads"] += len(transfer.copies)
+
+    def _got(self, get: Transfer, success: bool) -> None:
+        """A get ended: its records are tier entries now, or none is; the lookup it served is settled."""
+        if not success:
+            self._leaving.update(get.keys)
+        self.tier.complete_store(get.keys, success)
+        self.counters["shared_got_blocks" if success else "shared_failed_gets"] += len(get.copies)
+        state = self._get_for.pop(get.job_id)
+        if state.store_lookup is not None and state.store_lookup.get_job == get.job_id:
+            state.store_lookup.settled = True
 
     def request_finished(self, request: RequestView, block_ids: BlockIds) -> bool:
         state = self._state(request.req_id)
@@ -314,8 +432,13 @@ class OffloadScheduler:
         return state.unfinished_stores > 0
 
     def reset_cache(self) -> bool:
-        """After a weight update: nothing stored so far may be served again."""
+        """After a weight update: nothing stored so far may be served again, and the engine moves to its
+        namespace's next epoch, where no record written before is found (the store itself is left alone)."""
         self.tier.reset()
+        for state in self.requests.values():
+            state.store_lookup = None
+        if self.shared is not None:
+            self.shared.next_epoch()
         return True
 
     def take_events(self) -> list[Event]:

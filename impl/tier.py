@@ -40,6 +40,11 @@ class OffloadTier:
             slots.append(slot)
         return slots
 
+    def pin(self, keys: list[Key]) -> None:
+        """A put into the shared store reads these entries: not evicted until it ends (``complete_load``)."""
+        for key in keys:
+            self.refs[self.slot_of[key]] += 1
+
     def complete_load(self, keys: list[Key], success: bool = True) -> None:
         for key in keys:
             slot = self.slot_of[key]
@@ -76,7 +81,8 @@ class OffloadTier:
             self.events.append(Event("removed", tuple(victims)))
         return {key: self.slot_of[key] for key in new}
 
-    def complete_store(self, keys: list[Key], success: bool) -> None:
+    def complete_store(self, keys: list[Key], success: bool) -> list[Key]:
+        """The reserved entries become ready; failed or reset ones leave. The keys that became ready."""
         stored = []
         for key in keys:
             slot = self.slot_of[key]
@@ -88,6 +94,7 @@ class OffloadTier:
                 self.policy.remove(key)
         if stored:
             self.events.append(Event("stored", tuple(stored)))
+        return stored
 
     def reset(self) -> None:
         """Forget every entry: idle ones now, the others once their transfers end (never served again)."""

@@ -177,8 +177,7 @@ class InlineExecutor:
     def submit(self, job: Job) -> None:
         start = time.perf_counter()
         try:
-            job.run()
-            success = True
+            success = job.run() is not False
         except Exception:  # noqa: BLE001 - any copy failure becomes success=False
             success = False
         self.seconds[job.kind] += time.perf_counter() - start

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from kvoffload.spec.config import Config, registered
+from kvoffload.spec.records import Namespace
 from kvoffload.spec.types import Job, TransferPlan, WorkerOutput
 
 from .scheduler import Transfer
+from .shared import IOExecutor, Opener, SharedStore, record_copy
 from .transfer import Copier, CudaStreamExecutor, HostPool, InlineExecutor, block_views
 
 
@@ -19,6 +21,8 @@ class OffloadWorker:
         self.config = config
         self._copier: Copier | None = None  # set by register_kv_caches
         self.executor: Any = None
+        self.io: Any = None  # runs puts and gets (the engine's executor where one is given, else I/O threads)
+        self.worker_store: SharedStore | None = None  # this shard's records in the shared store, once attached
         self.submitted: dict[int, Transfer] = {}  # submitted, not yet polled
         self.pending: Counter[str] = Counter()  # request -> transfers submitted, not yet reported
         self.draining: set[str] = set()  # finished requests whose transfers have not all completed
@@ -30,9 +34,14 @@ class OffloadWorker:
         caches live on a GPU, else inline copies."""
         views = block_views(kv.caches, kv.layout)
         self._copier = Copier(views, HostPool(views, self.config.tier_blocks * self.config.k))
+        self.io = executor or IOExecutor()
         if executor is None:
             executor = CudaStreamExecutor(views[0].device) if views[0].is_cuda else InlineExecutor()
         self.executor = executor
+
+    def attach_worker_store(self, open: Opener, namespace: Namespace) -> None:
+        """This shard's records: ``namespace`` names the shard (its TP rank). After ``register_kv_caches``."""
+        self.worker_store = SharedStore(open, namespace, self.config.k * self.copier.pool.row_bytes)
 
     @property
     def copier(self) -> Copier:
@@ -47,10 +56,14 @@ class OffloadWorker:
         self.draining |= metadata.delayed
         for load in metadata.loads:
             self._submit(load)
+        for get in metadata.gets:
+            self._submit_record_copy(get)
 
     def wait_for_save(self, metadata: TransferPlan) -> None:
         for store in metadata.stores:
             self._submit(store)
+        for put in metadata.puts:
+            self._submit_record_copy(put)
 
     def _submit(self, transfer: Transfer) -> None:
         blocks = np.fromiter(transfer.gpu_blocks, dtype=np.int64, count=len(transfer.copies))
@@ -60,11 +73,23 @@ class OffloadWorker:
         self.pending[transfer.req_id] += 1
         self.executor.submit(Job(transfer.job_id, transfer.req_id, transfer.kind, tuple(transfer.copies), run))
 
+    def _submit_record_copy(self, transfer: Transfer) -> None:
+        """A put or a get, on the I/O threads: it reads or writes host rows only."""
+        self.submitted[transfer.job_id] = transfer
+        self.io.submit(Job(transfer.job_id, transfer.req_id, transfer.kind, tuple(transfer.copies),
+                           self._record_copy(transfer)))
+
+    def _record_copy(self, transfer: Transfer) -> Callable[[], bool]:
+        store = registered(self.worker_store, "worker_store").at(transfer.epoch)
+        return record_copy(transfer.kind, store, self.copier.pool, transfer.keys, transfer.host_rows, self.config.k)
+
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
-        results = self.executor.poll()
+        results = self.executor.poll() + (self.io.poll() if self.io is not self.executor else [])
         recving, failed_recving = set(), set()
         for job_id, success in results:
             transfer = self.submitted.pop(job_id)
+            if transfer.kind in ("put", "get"):
+                continue
             self._forget(transfer)
             if transfer.kind == "load":
                 recving.add(transfer.req_id)

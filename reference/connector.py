@@ -10,14 +10,17 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter, defaultdict
+from typing import Callable
 
 import torch
-from attrs import define
+from attrs import define, evolve
 
 from kvoffload.spec.config import BlockIdError, Config, ConfigError, UnknownRequestError, registered
-from kvoffload.spec.types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, TRANSFER_FAILURES, BlockIds, Copy,
-                                  Event, Job, Observation, RequestView, SchedulerOutput, TransferKind, TransferPlan,
-                                  WorkerOutput, group_key, offload_keys)
+from kvoffload.spec.records import Namespace
+from kvoffload.spec.store import Answer, SharedTier
+from kvoffload.spec.types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, SHARED, TRANSFER_FAILURES, BlockIds,
+                                  Copy, Event, Job, Observation, RequestView, SchedulerOutput, TransferKind,
+                                  TransferPlan, WorkerOutput, group_key, offload_keys)
 from kvoffload.spec.executor import Executor
 
 from .tier import LRUTier
@@ -30,8 +33,9 @@ class Transfer:
     job_id: int
     req_id: str
     kind: TransferKind
-    copies: tuple[Copy, ...]  # (GPU block, key, index in the offload block)
+    copies: tuple[Copy, ...]  # (GPU block, key, index in the offload block); NULL_BLOCK for a put or a get
     host_rows: tuple[int, ...]  # host buffer row of each copy
+    epoch: int = 0  # a put's or a get's: the namespace epoch of its records
 
     @property
     def keys(self) -> list[int]:
@@ -59,8 +63,20 @@ class TensorKV:
         return bool(torch.equal(self.tensor[block_id], self.row(content)))
 
 
+@define
+class StoreLookup:
+    """One waiting request's question to the shared store, until it is admitted: asked once; answered, or given up
+    after ``Config.lookup_deadline`` lookups; then at most one get of what it found."""
+
+    keys: list[int]
+    answer: Answer
+    unanswered: int = 0  # lookups that found no answer yet
+    get_job: int | None = None
+    done: bool = False
+
+
 class ReferenceConnector:
-    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET, GROUPS})
+    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET, GROUPS, SHARED})
     tier_class = LRUTier
 
     def __init__(self, config: Config) -> None:
@@ -80,6 +96,13 @@ class ReferenceConnector:
         self._flush_next: set[int] = set()  # stores reading blocks freed at a finish, for the next plan
         self.refusing: set[str] = set()  # fault injection: the tier refuses these requests' next store
         self._job_ids = itertools.count()
+        # the shared store, once attached: this engine's (this shard's) namespace, and how to open one
+        self._namespace: Namespace | None = None
+        self._open: Callable[[Namespace, int], SharedTier] | None = None
+        self._opened: dict[Namespace, SharedTier] = {}
+        self._store_lookups: dict[str, StoreLookup] = {}
+        self._pending_gets: list[Transfer] = []
+        self._to_put: list[int] = []  # keys stored into the tier since the last plan
         # worker side
         self._executor: Executor | None = None
         self._gpu: torch.Tensor | None = None
@@ -102,27 +125,76 @@ class ReferenceConnector:
     def _has_transfers(self, req_id: str) -> bool:
         return any(t.req_id == req_id for t in self._unfinished.values())
 
-    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.req_id] = request
         if self._has_transfers(request.req_id):
             return 0, False  # a load must not overlap this request's stores
+        if self._namespace is not None and not self._store_part_done(request, num_computed_tokens):
+            return None, False  # ask again
+        end = self._longest_hit(request, num_computed_tokens, self._in_tier)
+        return (end - num_computed_tokens, True) if end else (0, False)
+
+    def _in_tier(self, key: int) -> bool:
+        return self.tier.lookup([key]) == 1
+
+    def _longest_hit(self, request: RequestView, computed: int, has: Callable[[int], bool]) -> int:
+        """The end of the longest hit past ``computed`` whose offload blocks ``has`` holds, or 0."""
         step = math.lcm(*self.config.offload_block_sizes)  # a hit ends on an offload block boundary of every group
         last = min(request.num_tokens - 1, len(request.block_hashes) * self.config.block_size)  # keep one token
         keys = self._keys(request)
-        for end in range(last // step * step, num_computed_tokens, -step):
-            if self._serves_every_group(keys, num_computed_tokens, end):
-                return end - num_computed_tokens, True
-        return 0, False
+        for end in range(last // step * step, computed, -step):
+            if self._serves_every_group(keys, computed, end, has):
+                return end
+        return 0
 
-    def _serves_every_group(self, keys: list[list[int]], computed: int, end: int) -> bool:
-        """Whether the tier holds what a hit up to token ``end`` needs from every group, beyond the offload blocks
+    def _serves_every_group(self, keys: list[list[int]], computed: int, end: int, has: Callable[[int], bool]) -> bool:
+        """Whether ``has`` holds what a hit up to token ``end`` needs from every group, beyond the offload blocks
         on the GPU (those before ``computed``): all of them for full attention, the last ones a window reads."""
         for g, (group, size) in enumerate(zip(self.groups, self.config.offload_block_sizes)):
             first, last = computed // size, end // size
             start = first if group.window is None else max(first, last - -(-(group.window - 1) // size))
-            if self.tier.lookup([group_key(key, g) for key in keys[g][start:last]]) < last - start:
+            if not all(has(group_key(key, g)) for key in keys[g][start:last]):
                 return False
         return True
+
+    def _store_part_done(self, request: RequestView, computed: int) -> bool:
+        """Whether the shared store has had its say in this request's lookup (False: ask again). Asked once about
+        every key the tier lacks; once answered, the records that lengthen the hit come into reserved tier slots
+        by one get. Done when that get ends, when there is nothing to get or no room for it, or when the store
+        has not answered within the deadline."""
+        lookup = self._store_lookups.get(request.req_id)
+        if lookup is None:
+            wanted = dict.fromkeys(group_key(key, g) for g, keys in enumerate(self._keys(request)) for key in keys)
+            missing = [key for key in wanted if not self._in_tier(key)]
+            lookup = self._store_lookups[request.req_id] = StoreLookup(missing, self._opened_store().ask(missing))
+        if lookup.done or lookup.get_job is not None:
+            return lookup.done
+        if not lookup.answer.done():
+            lookup.unanswered += 1
+            lookup.done = lookup.unanswered > self.config.lookup_deadline  # late is a miss
+            return lookup.done
+        lookup.done = True
+        there = {key for key, found in zip(lookup.keys, lookup.answer.result()) if found}
+        end = self._longest_hit(request, computed, lambda key: self._in_tier(key) or key in there)
+        read = self._keys_read(request, computed, end)
+        if any(key in there and not self._in_tier(key) for key in read):
+            slots = self.tier.prepare_store(read)  # the hit's slots kept, the records' reserved
+            if slots:
+                k = self.config.k
+                copies = [(NULL_BLOCK, key, sub) for key in slots for sub in range(k)]
+                rows = [slots[key] * k + sub for key in slots for sub in range(k)]
+                get = self._new_transfer("", "get", copies, rows)
+                self._pending_gets.append(get)
+                lookup.get_job, lookup.done = get.job_id, False
+        return lookup.done
+
+    def _keys_read(self, request: RequestView, computed: int, end: int) -> list[int]:
+        """The keys a load of tokens [computed, end) copies: not those of the blocks a window skips."""
+        k, keys, read = self.config.k, self._keys(request), dict[int, None]()
+        for g, bs in enumerate(self.config.block_sizes):
+            for i in range(max(computed // bs, self._left_behind(g, end)), end // bs):
+                read[group_key(keys[g][i // k], g)] = None
+        return list(read)
 
     def _tables(self, block_ids: BlockIds | tuple[tuple[int, ...], ...] | tuple[int, ...]) -> list[list[int]]:
         """One table per group: a hybrid model's ids come a list per group."""
@@ -132,6 +204,7 @@ class ReferenceConnector:
 
     def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds, num_external_tokens: int) -> None:
         req_id = self._request(request.req_id).req_id
+        self._store_lookups.pop(req_id, None)
         tables = self._block_tables[req_id] = self._tables(block_ids)
         self._cursors[req_id] = 0
         if num_external_tokens == 0:
@@ -147,14 +220,16 @@ class ReferenceConnector:
         self._pending_loads.append(self._new_transfer(req_id, "load", copies, rows))
 
     def _new_transfer(self, req_id: str, kind: TransferKind, copies: list[Copy], rows: list[int]) -> Transfer:
-        transfer = Transfer(next(self._job_ids), req_id, kind, tuple(copies), tuple(rows))
+        epoch = self._namespace.epoch if self._namespace else 0
+        transfer = Transfer(next(self._job_ids), req_id, kind, tuple(copies), tuple(rows), epoch)
         self._unfinished[transfer.job_id] = transfer
         return transfer
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
-        plan = TransferPlan(loads=self._pending_loads, delayed=frozenset(self._delayed))
+        plan = TransferPlan(loads=self._pending_loads, delayed=frozenset(self._delayed), gets=self._pending_gets,
+                            puts=self._plan_puts())
         flush = self._flush_next | self._stores_of(scheduler_output.preempted_req_ids)
-        self._pending_loads, self._delayed, self._flush_next = [], set(), set()
+        self._pending_loads, self._delayed, self._flush_next, self._pending_gets = [], set(), set(), []
         for req_id in scheduler_output.preempted_req_ids:
             if req_id in self._block_tables:  # else it finished since it was preempted
                 self._block_tables[req_id] = [[] for _ in self.groups]
@@ -162,6 +237,19 @@ class ReferenceConnector:
         flush |= self._collect_stores(scheduler_output, plan)
         plan.flush = frozenset(flush)
         return plan
+
+    def _plan_puts(self) -> list[Transfer]:
+        """Put what the tier stored since the last plan into the shared store (what it still holds), its slots
+        pinned until the put ends: before this plan's stores may evict them."""
+        keys = [key for key in self._to_put if self._in_tier(key)]
+        self._to_put = []
+        if not keys:
+            return []
+        k = self.config.k
+        for key in keys:
+            self.tier.slots[key].refs += 1
+        rows = [self.tier.slots[key].index * k + sub for key in keys for sub in range(k)]
+        return [self._new_transfer("", "put", [(NULL_BLOCK, key, sub) for key in keys for sub in range(k)], rows)]
 
     def _stores_of(self, req_ids: frozenset[str]) -> set[int]:
         """The unfinished stores of these requests (preempted: they finish before their blocks are reused)."""
@@ -252,12 +340,21 @@ class ReferenceConnector:
             transfer, success = self._unfinished.pop(job_id), all(self._reports.pop(job_id))
             if transfer.kind == "store":
                 self.tier.complete_store(transfer.keys, success)
+                if self._namespace is not None and success:
+                    self._to_put += [key for key in transfer.keys if key in self.tier.slots]
+            elif transfer.kind == "get":
+                self.tier.complete_store(transfer.keys, success)
+                for lookup in self._store_lookups.values():
+                    lookup.done = lookup.done or lookup.get_job == job_id
+            elif transfer.kind == "put":
+                self.tier.complete_load(transfer.keys)  # unpinned: the tier's copy is as good as before
             else:
                 self.tier.complete_load(transfer.keys, success)
 
     def request_finished(self, request: RequestView, block_ids: BlockIds) -> bool:
         req_id = self._request(request.req_id).req_id
         del self._requests[req_id]
+        self._store_lookups.pop(req_id, None)
         self._block_tables.pop(req_id, None)
         self._cursors.pop(req_id, None)
         self.refusing.discard(req_id)
@@ -271,7 +368,11 @@ class ReferenceConnector:
         return False
 
     def reset_cache(self) -> bool:
+        """Forget the tier; move to the next epoch of the namespace, where no record of before is found."""
         self.tier.reset()
+        self._store_lookups.clear()
+        if self._namespace is not None:
+            self._namespace = self._namespace.next_epoch()
         return True
 
     def take_events(self) -> list[Event]:
@@ -283,6 +384,18 @@ class ReferenceConnector:
         self._gpu, self._executor = kv.tensor, executor
         rows = self.config.tier_blocks * self.config.k
         self._host = torch.zeros((rows, kv.tensor.shape[1]), dtype=kv.tensor.dtype)
+
+    def attach_shared_tier(self, open: Callable[[Namespace, int], SharedTier], namespace: Namespace) -> None:
+        self._open, self._namespace = open, namespace
+
+    def _opened_store(self, epoch: int | None = None) -> SharedTier:
+        """This engine's records in the shared store, of the current epoch or of ``epoch``."""
+        namespace = registered(self._namespace, "namespace")
+        namespace = namespace if epoch is None else evolve(namespace, epoch=epoch)
+        if namespace not in self._opened:
+            payload = self.config.k * self.host.shape[1] * self.host.element_size()
+            self._opened[namespace] = registered(self._open, "open")(namespace, payload)
+        return self._opened[namespace]
 
     # what register_kv_caches set
     @property
@@ -302,14 +415,20 @@ class ReferenceConnector:
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
         self._draining |= metadata.delayed
-        for transfer in metadata.loads:
+        for transfer in metadata.loads + metadata.gets:
             self._submit(transfer)
 
     def wait_for_save(self, metadata: TransferPlan) -> None:
-        for transfer in metadata.stores:
+        for transfer in metadata.stores + metadata.puts:
             self._submit(transfer)
 
     def _submit(self, transfer: Transfer) -> None:
+        self._submitted[transfer.job_id] = transfer
+        run = self._store_io(transfer) if transfer.kind in ("get", "put") else self._copy(transfer)
+        self.executor.submit(Job(transfer.job_id, transfer.req_id, transfer.kind, transfer.copies, run))
+
+    def _copy(self, transfer: Transfer) -> Callable[[], None]:
+        """Rows between the GPU and the host buffer."""
         blocks, pool = [b for b, _key, _sub in transfer.copies], self.gpu.shape[0]
         if any(not 0 <= b < pool for b in blocks):
             raise BlockIdError(f"transfer {transfer.job_id} names GPU blocks {blocks}; the pool has {pool}")
@@ -320,8 +439,27 @@ class ReferenceConnector:
         else:
             def run() -> None:
                 self.gpu.index_copy_(0, gpu_idx, self.host.index_select(0, host_idx))
-        self._submitted[transfer.job_id] = transfer
-        self.executor.submit(Job(transfer.job_id, transfer.req_id, transfer.kind, transfer.copies, run))
+        return run
+
+    def _store_io(self, transfer: Transfer) -> Callable[[], bool]:
+        """An entry's k host rows, as one record of the shared store, in one direction or the other. A get lands
+        only if every record it reads was found whole."""
+        k, store = self.config.k, self._opened_store(transfer.epoch)
+        keys = transfer.keys
+        rows = [torch.tensor(transfer.host_rows[i * k:(i + 1) * k]) for i in range(len(keys))]
+        if transfer.kind == "put":
+            def run() -> bool:
+                store.put([(key, self.host[r].numpy().tobytes()) for key, r in zip(keys, rows)])
+                return True
+        else:
+            def run() -> bool:
+                landing = [torch.empty_like(self.host[r]) for r in rows]
+                if not all(store.get(keys, [t.numpy().data for t in landing])):
+                    return False
+                for r, t in zip(rows, landing):
+                    self.host[r] = t
+                return True
+        return run
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
         pending = Counter(t.req_id for t in self._submitted.values())

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -98,6 +98,10 @@ class FileTier:
     def exists(self, keys: Sequence[RecordKey]) -> list[bool]:
         """Which records are there; each one found has its lease renewed (a load of it is likely to follow)."""
         return [self._renew(self.path(key)) for key in keys]
+
+    def ask(self, keys: Sequence[RecordKey]) -> Future[list[bool]]:
+        """``exists`` on an I/O thread: a lookup asks, and reads the answer at a later step."""
+        return self._pool.submit(self.exists, list(keys))
 
     def _renew(self, path: Path) -> bool:
         try:

@@ -304,3 +304,80 @@ HYBRID_VARIANTS = {
     KeysEveryGroupPerHashBlock: "hybrid-w8@4-full-delayed-failures",
     HitsInsideALargerBlock: "hybrid-full@6-w5-full@4-tp2-no-prefix-cache",
 }
+
+
+# ---- the fleet's shared store: bugs of vLLM's, LMCache's and SGLang's shared tiers (DESIGN §9), re-created in the
+# production connector; each is caught by the invariant named, the kit at the invariants level
+class _Unchecked:
+    """A backend whose reads take every record as whole: the bytes it read, whatever they are."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def get(self, keys, into):
+        self.store.get(keys, into)
+        return [True] * len(keys)
+
+
+class ServesUncheckedRecords(OffloadConnector):
+    """Records served without their checks (LMCache checks checksums only in tests; vLLM's fs tier only the byte
+    count): a torn record's half, or a vanished one's garbage, reaches a GPU block."""
+
+    def attach_worker_store(self, open, namespace) -> None:
+        super().attach_worker_store(lambda ns, payload: _Unchecked(open(ns, payload)), namespace)
+
+
+class KeepsTheEpochAtReset(OffloadConnector):
+    """A reset (a weight update) that clears the tier but keeps the namespace: the store serves KV computed with the
+    old weights (vLLM's ``reset_cache`` leaves its secondary tiers alone, vllm#44541)."""
+
+    def reset_cache(self) -> bool:
+        shared, self.shared = self.shared, None
+        try:
+            return super().reset_cache()
+        finally:
+            self.shared = shared
+
+
+class DeletesOnAFailedGet(OffloadConnector):
+    """A get that fails deletes the records it could not read, transient error or not (vLLM's fs tier deletes the
+    file on any load exception, on a directory other replicas share)."""
+
+    def _got(self, get, success: bool) -> None:
+        if not success:
+            self.worker_store.at(get.epoch).delete(get.keys)
+        super()._got(get, success)
+
+
+class NeverGivesUp(OffloadConnector):
+    """A lookup that waits for the store's answer however long it takes (LMCache's ``contains()`` has no timeout):
+    with the store dead, no request is ever admitted."""
+
+    def _store_settled(self, shared, state, computed: int) -> bool:
+        lookup = state.store_lookup
+        if lookup is not None and not lookup.settled and not lookup.answer.done():
+            return False
+        return super()._store_settled(shared, state, computed)
+
+
+class PutsWhatItGot(OffloadConnector):
+    """Every record a get brought into the tier is put back into the store: twice the writes, for nothing."""
+
+    def _got(self, get, success: bool) -> None:
+        super()._got(get, success)
+        if success:
+            self._unput += get.keys
+
+
+# each fleet variant, with the scenario (in scenarios.FLEET_SCENARIOS) that triggers it and the invariant that
+# catches it (the kit at the invariants level, as it runs a third party's connector)
+FLEET_VARIANTS = {
+    ServesUncheckedRecords: ("fleet2-k1-immediate", "CONTENT"),
+    KeepsTheEpochAtReset: ("fleet2-k1-immediate", "CONTENT"),
+    DeletesOnAFailedGet: ("fleet2-k1-immediate", "KEEP"),
+    NeverGivesUp: ("fleet2-dead-store", "PROGRESS"),
+    PutsWhatItGot: ("fleet2-k1-immediate", "WRITE-ONCE"),
+}

@@ -72,3 +72,23 @@ HYBRID_SCENARIOS = {
         Config(num_gpu_blocks=36, tier_blocks=24, groups=(Group(block_size=6), Group(5), Group(block_size=4)),
                num_workers=2, prefix_caching=False), delay=1, failures=True),
 }
+
+# Fleets: engines behind one router sharing one store (records, in the store's byte budget for the whole fleet),
+# engines of another model on the same store, crashes and restarts, and the store's own faults (records that
+# vanish, are torn or flipped; outages; restarts with or without its records; late answers). The tier is smaller than
+# the store, so that hits come from the store.
+FLEET_SCENARIOS = {
+    "fleet2-k1-immediate": Scenario(
+        Config(num_gpu_blocks=14, tier_blocks=6, prefix_caching=False), engines=2, store=24),
+    "fleet3-k2-models-restarts-delayed-failures": Scenario(
+        Config(num_gpu_blocks=16, offload_block_size=4, tier_blocks=4, prefix_caching=False), delay=1,
+        failures=True, engines=3, identities=(0, 0, 1), store=12, store_delay=2, restarts=True),
+    "fleet2-tp2-async-spec2-delayed-failures": Scenario(
+        Config(num_gpu_blocks=16, tier_blocks=6, num_workers=2, async_scheduling=True, num_spec_tokens=2),
+        delay=1, failures=True, engines=2, store=16, store_delay=1, restarts=True),
+    "fleet2-hybrid-w4-full-delayed": Scenario(
+        Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(4), Group()), prefix_caching=False), delay=1,
+        engines=2, store=24, store_delay=1),
+    "fleet2-dead-store": Scenario(
+        Config(num_gpu_blocks=14, tier_blocks=4, prefix_caching=False), delay=1, engines=2, store=8, store_dead=True),
+}

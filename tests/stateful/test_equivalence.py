@@ -12,7 +12,7 @@ from kvoffload.reference import ReferenceConnector, TensorKV
 from kvoffload.spec import GROUPS, SpecConnector
 from kvoffload.spec.kit import run_conformance
 
-from .scenarios import ARC_SCENARIOS, GPU_MODE_SCENARIOS, HYBRID_SCENARIOS, SCENARIOS
+from .scenarios import ARC_SCENARIOS, FLEET_SCENARIOS, GPU_MODE_SCENARIOS, HYBRID_SCENARIOS, SCENARIOS
 
 ALL = {**SCENARIOS, **GPU_MODE_SCENARIOS, **ARC_SCENARIOS}
 
@@ -82,3 +82,30 @@ def test_a_connector_without_groups_keeps_the_window_of_a_model_whose_layers_all
     coverage = run_conformance(WithoutGroups, HYBRID_SCENARIOS["hybrid-w4-only-delayed-failures"], level="exact")
     assert "the model's KV cache groups" not in coverage.skipped
     assert coverage.world["window_freed_blocks"] and coverage.world["blocks_loaded"]
+
+
+def _shared_as_expected(name, coverage):
+    """The store was used: hits from it, or (dead) none, and every request still finished (PROGRESS ran)."""
+    assert "the fleet's shared store" not in coverage.skipped
+    assert coverage.invariants["PROGRESS"] > 0
+    if FLEET_SCENARIOS[name].store_dead:
+        assert not coverage.world["store_hits"] and not coverage.world["store_stored"]
+    else:
+        assert coverage.world["store_hits"] > 0 and coverage.world["store_stored"] > 0
+
+
+@pytest.mark.parametrize("name", FLEET_SCENARIOS)
+def test_spec_keeps_its_invariants_in_fleets(name):
+    _shared_as_expected(name, run_conformance(SpecConnector, FLEET_SCENARIOS[name], level="invariants"))
+
+
+@pytest.mark.parametrize("name", FLEET_SCENARIOS)
+def test_reference_equals_spec_in_fleets(name):
+    _shared_as_expected(name, run_conformance(ReferenceConnector, FLEET_SCENARIOS[name], level="exact",
+                                              kv_factory=TensorKV))
+
+
+@pytest.mark.parametrize("i, name", list(enumerate(FLEET_SCENARIOS)))
+def test_impl_equals_spec_in_fleets(i, name):
+    _shared_as_expected(name, run_conformance(OffloadConnector, FLEET_SCENARIOS[name], level="exact",
+                                              kv_factory=LAYOUTS[i % len(LAYOUTS)]))

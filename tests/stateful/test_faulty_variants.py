@@ -9,8 +9,8 @@ from kvoffload.reference import TensorKV
 from kvoffload.spec import ListKV, Violation
 from kvoffload.spec.kit import run_conformance
 
-from .faulty import GPU_MODE_VARIANTS, HYBRID_PRODUCTION_VARIANTS, HYBRID_VARIANTS, VARIANTS
-from .scenarios import GPU_MODE_SCENARIOS, HYBRID_SCENARIOS, SCENARIOS
+from .faulty import FLEET_VARIANTS, GPU_MODE_VARIANTS, HYBRID_PRODUCTION_VARIANTS, HYBRID_VARIANTS, VARIANTS
+from .scenarios import FLEET_SCENARIOS, GPU_MODE_SCENARIOS, HYBRID_SCENARIOS, SCENARIOS
 
 CASES = [(v, SCENARIOS[name], TensorKV) for v, name in VARIANTS.items()] + [
     (v, GPU_MODE_SCENARIOS[name], LayeredKV) for v, name in GPU_MODE_VARIANTS.items()] + [
@@ -32,3 +32,14 @@ def test_variant_is_caught(variant, scenario, kv, record_property):
     assert rules is not None, "the failure must come from the conformance machine"
     # a variant that no longer fits the connector it patches fails on its own mistake, not on the bug it re-creates
     assert caught.value.finding not in ("RAISED TypeError", "RAISED AttributeError"), caught.value
+
+
+@pytest.mark.parametrize("variant", FLEET_VARIANTS, ids=[v.__name__ for v in FLEET_VARIANTS])
+def test_fleet_variant_is_caught_by_its_invariant(variant):
+    """The shared store's known bugs, caught without the spec's twin: by the invariant each one breaks."""
+    name, invariant = FLEET_VARIANTS[variant]
+    with pytest.raises(Violation) as caught:
+        run_conformance(variant, FLEET_SCENARIOS[name], level="invariants", kv_factory=LayeredKV)
+    print(f"{variant.__name__} [{FLEET_SCENARIOS[name]}]: shrunk program {caught.value.rules_run} rules: "
+          f"{str(caught.value).splitlines()[0]}")
+    assert caught.value.invariant == invariant, caught.value

@@ -14,7 +14,7 @@ import time
 import attrs
 import pytest
 
-from kvoffload.impl.tiers import FileTier, TierError
+from kvoffload.impl.tiers import FileTier, SharedTier, TierError
 from kvoffload.spec.records import Namespace
 
 NS = Namespace(model="tiny-llama", weights="sha256:0f3a", kv_dtype="bfloat16", kv_layout="kv_first", block_size=16,
@@ -206,3 +206,11 @@ def test_a_killed_writers_temporary_file_is_reclaimed_once_old(tmp_path):
     os.utime(stale, (time.time() - 600, time.time() - 600))
     tier.reclaim(budget=tier.path(KEY).stat().st_size, lease=60)
     assert not stale.exists() and read(tier) == payload(1)
+
+
+def test_a_file_tier_is_a_shared_tier_whose_existence_checks_answer_later(tmp_path):
+    """The connector asks without waiting: the answer is a future, read at a later step."""
+    tier: SharedTier = FileTier(tmp_path, NS, PAYLOAD)
+    tier.put([(KEY, payload(1))])
+    answer = tier.ask([KEY, 5])
+    assert answer.result(timeout=5) == [True, False] and answer.done()

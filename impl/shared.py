@@ -1,0 +1,108 @@
+"""The production connector's side of the shared store: its namespace, opened once per epoch, the threads that run
+puts and gets, and the copies between a record's payload and the host pool's rows.
+
+A record is one offload block of one shard: its ``k`` host rows, region after region (one region per KV cache
+view), ``k * row_bytes`` bytes. Puts and gets run on I/O threads, never in the engine step: the engine polls them
+like any other transfer.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+from attrs import evolve
+
+from kvoffload.spec.records import Namespace
+from kvoffload.spec.store import SharedTier
+from kvoffload.spec.types import Job, Key
+
+from .transfer import HostPool
+
+Opener = Callable[[Namespace, int], SharedTier]  # (namespace, payload bytes) -> that namespace's records
+
+
+class SharedStore:
+    """One engine's (one shard's) records in the shared store: its namespace now, and every epoch it was opened at
+    (a put or a get in flight at a reset still finishes in its own epoch)."""
+
+    def __init__(self, open: Opener, namespace: Namespace, payload: int) -> None:
+        self.open, self.namespace, self.payload = open, namespace, payload
+        self._opened: dict[Namespace, SharedTier] = {}
+
+    def at(self, epoch: int | None = None) -> SharedTier:
+        namespace = self.namespace if epoch is None else evolve(self.namespace, epoch=epoch)
+        store = self._opened.get(namespace)
+        if store is None:
+            store = self._opened[namespace] = self.open(namespace, self.payload)
+        return store
+
+    def next_epoch(self) -> None:
+        self.namespace = self.namespace.next_epoch()
+
+    def counters(self) -> dict[str, int]:
+        """What its records went through, over every epoch opened: store_hits, store_misses, store_stored,
+        store_present, and store_dropped, store_quarantined, store_errors whatever the reason."""
+        totals = dict.fromkeys(STORE_COUNTERS, 0)
+        for store in self._opened.values():
+            for name, n in store.counters.items():
+                kind = f"store_{name.split('_')[0]}"
+                if kind in totals:
+                    totals[kind] += n
+        return totals
+
+
+STORE_COUNTERS = ("store_hits", "store_misses", "store_stored", "store_present", "store_dropped",
+                  "store_quarantined", "store_errors")
+
+
+def record_copy(kind: str, store: SharedTier, pool: HostPool, keys: list[Key], rows: list[int],
+                k: int) -> Callable[[], bool]:
+    """A put (host rows -> one record per key) or a get (records -> host rows; False, with no row written, unless
+    every record was there and whole)."""
+    index = [torch.tensor(rows[i * k:(i + 1) * k]) for i in range(len(keys))]
+    if kind == "put":
+        def put() -> bool:
+            store.put([(key, torch.cat([region[i].reshape(-1) for region in pool.regions]).numpy().data)
+                       for key, i in zip(keys, index)])
+            return True
+        return put
+
+    def get() -> bool:
+        landing = [torch.empty(k * pool.row_bytes, dtype=torch.uint8) for _ in keys]
+        if not all(store.get(keys, [t.numpy().data for t in landing])):
+            return False
+        for i, payload in zip(index, landing):
+            offset = 0
+            for region in pool.regions:
+                width = region.shape[1]
+                region[i] = payload[offset:offset + k * width].view(k, width)
+                offset += k * width
+        return True
+    return get
+
+
+class IOExecutor:
+    """Runs puts and gets on threads; ``poll`` reports those done, without waiting. A put or get that raises is a
+    failed transfer, never an engine error."""
+
+    def __init__(self, threads: int = 2) -> None:
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kvoffload-io")
+        self.in_flight: list[tuple[Job, Future[bool | None]]] = []
+
+    def submit(self, job: Job) -> None:
+        self.in_flight.append((job, self.pool.submit(job.run)))
+
+    def flush(self, job_ids: set[int]) -> None:
+        pass  # puts and gets touch no GPU block: nothing waits for them
+
+    def poll(self) -> list[tuple[int, bool]]:
+        done, pending = [], []
+        for job, future in self.in_flight:
+            if future.done():
+                done.append((job.job_id, future.exception() is None and future.result() is not False))
+            else:
+                pending.append((job, future))
+        self.in_flight = pending
+        return done
