@@ -67,7 +67,7 @@ class ShadowMonitor:
             else:
                 self._diverged(f"after {call}, {f.name} differ\n  connector: {a}\n  spec:      {b}")
 
-    def lookup(self, request: Any, num_computed_tokens: int, answer: tuple[int, bool]) -> None:
+    def lookup(self, request: Any, num_computed_tokens: int, answer: tuple[int | None, bool]) -> None:
         self._same(f"lookup of {request.req_id}", answer,
                    self.spec.get_num_new_matched_tokens(request, num_computed_tokens))
 

@@ -2,8 +2,15 @@
 
     KVTransferConfig(kv_connector="KVOffloadConnector", kv_role="kv_both",
                      kv_connector_module_path="kvoffload.impl.vllm_connector",
-                     kv_connector_extra_config={"tier_bytes": 2 << 30, "offload_block_size": 64, "policy": "lru"},
+                     kv_connector_extra_config={"tier_bytes": 2 << 30, "offload_block_size": 64, "policy": "lru",
+                                                "shared_tier": {"backend": "fs", "path": "/mnt/kv", "bytes": 1 << 40}},
                      kv_load_failure_policy="recompute")
+
+``shared_tier`` (optional) backs the CPU tier with a store that engines share and that outlives them: every block
+stored to the CPU tier is put there too, and a CPU-tier miss that the store holds is got into the CPU tier and
+loaded from there. Engines share records only when their KV identity (``kvoffload.spec.records.Namespace``: model,
+weights, dtype, layout, block and hash sizes, hash seed, shard, tenant, epoch) is equal; a reset moves an engine to
+its next epoch.
 
 (vLLM's default failure policy, "fail", ends a request whose load failed with an error; "recompute" recomputes it.)
 
@@ -17,11 +24,15 @@ block, becomes ``NULL_BLOCK``.
 
 from __future__ import annotations
 
+import hashlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import gcd
+from pathlib import Path
 from typing import Any, Callable, Iterable, cast
 
 import torch
+from attrs import evolve
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole, KVConnectorTransferResults,
@@ -32,10 +43,12 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, Uni
 
 from kvoffload.spec.config import Config, ConfigError
 from kvoffload.spec.groups import Group
+from kvoffload.spec.records import Namespace
 from kvoffload.spec.types import NULL_BLOCK, BlockIds, ScheduledRequest, SchedulerOutput, TransferPlan, WorkerOutput
 
 from .connector import OffloadConnector
 from .shadow import ShadowMonitor
+from .tiers import FileTier
 
 
 def _positive_int(value: object) -> bool:
@@ -48,16 +61,93 @@ EXTRA: dict[str, tuple[Callable[[object], bool], str]] = {
     "offload_block_size": (_positive_int, "a positive int of tokens"),
     "policy": (lambda v: isinstance(v, str) and v in ("lru", "arc"), "'lru' or 'arc'"),
     "verify": (lambda v: isinstance(v, bool), "a bool"),
+    "shared_tier": (lambda v: isinstance(v, dict), "a dict: {'backend': 'fs', 'path': ..., 'bytes': ...}"),
 }
 EXTRA_KEYS = set(EXTRA)
-MOVED = ("bytes_stored", "bytes_loaded", "store_seconds", "load_seconds")
+# shared_tier: key -> (check, what it must be, default; None: required)
+SHARED: dict[str, tuple[Callable[[object], bool], str, object]] = {
+    "backend": (lambda v: v == "fs", "'fs' (a directory; one host, or a shared filesystem)", "fs"),
+    "path": (lambda v: isinstance(v, str) and bool(v), "a directory path", None),
+    "bytes": (_positive_int, "a positive int: the byte budget of the whole directory, every engine's records", None),
+    "lookup_deadline": (_positive_int, "a positive int of engine steps", Config().lookup_deadline),
+    "tenant": (lambda v: isinstance(v, str), "a str: engines of other tenants never share a record", ""),
+}
+# the worker's moves, and the shared store's counters (FileTier.counters, summed over the workers)
+MOVED = ("bytes_stored", "bytes_loaded", "store_seconds", "load_seconds", "store_hits", "store_misses",
+         "store_stored", "store_present", "store_dropped", "store_quarantined", "store_errors")
 COUNTERS = ("lookups", "hit_tokens", "engine_hit_tokens", "stored_blocks", "loaded_blocks", "failed_stores",
-            "failed_loads", "alloc_failures", "evictions", *MOVED)
+            "failed_loads", "alloc_failures", "evictions", "shared_lookups", "shared_deadline_misses",
+            "shared_got_blocks", "shared_failed_gets", "shared_put_blocks", "store_reclaimed_bytes", *MOVED)
 
 
 @dataclass
 class KVOffloadMetadata(KVConnectorMetadata):
     plan: TransferPlan
+    namespace: Namespace | None = None  # the engine's, with the shared tier: each worker's records are its shard's
+
+
+@dataclass(frozen=True)
+class SharedTierConfig:
+    """``kv_connector_extra_config["shared_tier"]``, checked."""
+
+    backend: str
+    path: str
+    bytes: int
+    lookup_deadline: int
+    tenant: str
+
+    @classmethod
+    def parse(cls, entry: dict[str, Any]) -> SharedTierConfig:
+        unknown = set(entry) - set(SHARED)
+        if unknown:
+            raise ConfigError(f"unknown kv_connector_extra_config shared_tier keys {sorted(unknown)}; known: "
+                              f"{sorted(SHARED)}")
+        values = {}
+        for key, (check, expected, default) in SHARED.items():
+            if key not in entry and default is None:
+                raise ConfigError(f"kv_connector_extra_config shared_tier.{key} is missing: expected {expected}")
+            value = entry.get(key, default)
+            if not check(value):
+                raise ConfigError(f"kv_connector_extra_config shared_tier.{key}={value!r}: expected {expected}")
+            values[key] = value
+        return cls(**values)
+
+    def open(self, namespace: Namespace, payload: int) -> FileTier:
+        return FileTier(self.path, namespace, payload)
+
+
+def weights_fingerprint(model: str, revision: str | None) -> str:
+    """What identifies the weights an engine loaded: for a local directory, its weight files' names, sizes and
+    first and last MiB (the same on every host that has a copy); for a hub name, the name and the revision."""
+    root = Path(model)
+    if not root.is_dir():
+        return f"{model}@{revision or 'main'}"
+    digest = hashlib.blake2b(digest_size=16)
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".gguf")):
+        size = path.stat().st_size
+        digest.update(f"{path.relative_to(root)}:{size}".encode())
+        with path.open("rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(size - (1 << 20), 0))
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()
+
+
+def namespace_from_vllm(vllm_config: Any, kv_cache_config: Any, config: Config, tenant: str) -> Namespace:
+    """The engine's KV identity, as vLLM's configuration gives it. The hash seed is vLLM's ``NONE_HASH`` itself: read
+    once the engine has set it (after the scheduler, and so this connector, was built), it differs between two
+    processes exactly when their block hashes do (xxhash without a common ``PYTHONHASHSEED``)."""
+    from vllm.v1.core import kv_cache_utils
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    layout = ";".join(f"{type(g.kv_cache_spec).__name__}:{g.kv_cache_spec.page_size_bytes}x{len(g.layer_names)}"
+                      for g in kv_cache_config.kv_cache_groups)
+    dtype = str(model.dtype) if cache.cache_dtype == "auto" else cache.cache_dtype
+    return Namespace(model=model.model, weights=weights_fingerprint(model.model, model.revision), kv_dtype=dtype,
+                     kv_layout=layout, block_size=config.offload_block_size, hash_block_size=config.block_size,
+                     hash_algorithm=cache.prefix_caching_hash_algo,
+                     hash_seed=bytes(kv_cache_utils.NONE_HASH).hex(), tp_rank=0,
+                     tp_size=vllm_config.parallel_config.world_size, tenant=tenant)
 
 
 @dataclass
@@ -171,6 +261,7 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
         check, expected = EXTRA[key]
         if not check(value):
             raise ConfigError(f"kv_connector_extra_config {key}={value!r}: expected {expected}")
+    shared = SharedTierConfig.parse(extra["shared_tier"]) if "shared_tier" in extra else None
     vllm_groups = kv_cache_config.kv_cache_groups
     groups = tuple(group_of(g.kv_cache_spec, i) for i, g in enumerate(vllm_groups))
     block_size = hash_block_size(vllm_config, kv_cache_config)
@@ -191,7 +282,7 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
                   tier_blocks=tier_bytes // offload_bytes,
                   token_budget=vllm_config.scheduler_config.max_num_batched_tokens,
                   policy=extra.get("policy", "lru"), num_workers=vllm_config.parallel_config.world_size,
-                  groups=groups)
+                  groups=groups, lookup_deadline=shared.lookup_deadline if shared else Config().lookup_deadline)
 
 
 def hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
@@ -247,6 +338,20 @@ class BlockTables:
                                frozenset(so.finished_req_ids))
 
 
+def worker_rank() -> int:
+    """This worker's shard: its rank among every worker of the engine (tensor x pipeline parallel)."""
+    from vllm.distributed import parallel_state
+
+    try:
+        return parallel_state.get_world_group().rank_in_group
+    except AssertionError:  # no distributed state: one worker
+        return 0
+
+
+def replace_rank(namespace: Namespace, rank: int) -> Namespace:
+    return evolve(namespace, tp_rank=rank)
+
+
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -254,7 +359,15 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.tables = BlockTables(self.config)
         self.offload = OffloadConnector(self.config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self.shared = SharedTierConfig.parse(extra["shared_tier"]) if "shared_tier" in extra else None
+        if self.shared and extra.get("verify"):
+            raise ConfigError("kv_connector_extra_config verify=True does not cover shared_tier yet: use one or the "
+                              "other")
         self.shadow = ShadowMonitor(self.config, self.offload, self._engine_table) if extra.get("verify") else None
+        self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
+        self.steps = 0
+        self._reclaimer: ThreadPoolExecutor | None = None  # the scheduler side keeps the shared tier in its budget
+        self._reclaim: Future[int] | None = None
         self.kv_cache_manager: Any = None
         self.logged = dict.fromkeys(COUNTERS, 0)  # counters at the last get_kv_connector_stats
         self.views: dict[str, VllmRequestView] = {}
@@ -283,7 +396,25 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             view = self.views[request.request_id] = VllmRequestView(request)
         return view
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def _attach_shared_tier(self) -> None:
+        """On the first lookup: vLLM sets the hash seed the namespace names after it built this connector."""
+        assert self.shared is not None
+        namespace = namespace_from_vllm(self.vllm_config, self.kv_cache_config, self.config, self.shared.tenant)
+        self.offload.attach_shared_tier(self.shared.open, namespace)
+        self._reclaimer = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-reclaim")
+
+    def _keep_in_budget(self) -> None:
+        """Every 64 steps, on a thread: the least recently used records of the whole directory go, past the
+        budget (never one read within the lease)."""
+        self.steps += 1
+        if self._reclaimer is None or self.steps % 64 or (self._reclaim and not self._reclaim.done()):
+            return
+        store = cast(FileTier, cast(Any, self.offload.shared).at())
+        self._reclaim = self._reclaimer.submit(store.reclaim, cast(SharedTierConfig, self.shared).bytes)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.shared and self.offload.shared is None:
+            self._attach_shared_tier()
         view = self._view(request)
         view.num_computed_tokens = view.uncommitted_hit = num_computed_tokens
         answer = self.offload.get_num_new_matched_tokens(view, num_computed_tokens)
@@ -304,7 +435,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         plan = self.offload.build_connector_meta(neutral)
         if self.shadow:
             self.shadow.batch(neutral)
-        return KVOffloadMetadata(plan)
+        self._keep_in_budget()
+        shared = self.offload.shared
+        return KVOffloadMetadata(plan, shared.namespace if shared else None)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -331,9 +464,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self.config.num_workers
 
     def stats(self) -> dict[str, Any]:
-        """Scheduler-side counters plus what the workers moved."""
+        """Scheduler-side counters plus what the workers moved (and what their shared-tier records went through)."""
         verdict = {"shadow": self.shadow.verdict()} if self.shadow else {}
-        return {**self.offload.stats(), **self.moved, **verdict}
+        shared = self.offload.shared
+        reclaimed = {"store_reclaimed_bytes": shared.at().counters["reclaimed_bytes"] if shared else 0}
+        return {**self.offload.stats(), **self.moved, **reclaimed, **verdict}
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -408,7 +543,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.offload.handle_preemptions(kv_connector_metadata.plan)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.offload.start_load_kv(self._metadata().plan)
+        metadata = self._metadata()
+        if metadata.namespace is not None and self.offload.worker_store is None:
+            self.offload.attach_worker_store(cast(SharedTierConfig, self.shared).open,
+                                             replace_rank(metadata.namespace, worker_rank()))
+        self.offload.start_load_kv(metadata.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # loads are asynchronous: requests wait for them, layers never do

@@ -30,12 +30,13 @@ TINY: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=2
                             num_key_value_heads=2, max_position_embeddings=1024)
 
 
-def build_tiny_llama(path: Path) -> Path:
-    """A 2-layer random Llama saved with ``save_pretrained`` (vocabulary 512): loads with ``skip_tokenizer_init``."""
+def build_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """A 2-layer random Llama saved with ``save_pretrained`` (vocabulary 512): loads with ``skip_tokenizer_init``.
+    Another ``seed``, other weights."""
     def llama() -> Any:
         from transformers import LlamaConfig, LlamaForCausalLM
         return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **TINY))
-    return _save_once(path, llama)
+    return _save_once(path, llama, seed)
 
 
 def build_tiny_gemma3(path: Path, sliding_window: int = 64) -> Path:
@@ -48,11 +49,11 @@ def build_tiny_gemma3(path: Path, sliding_window: int = 64) -> Path:
     return _save_once(path, gemma3)
 
 
-def _save_once(path: Path, make_model: Any) -> Path:
+def _save_once(path: Path, make_model: Any, seed: int = 0) -> Path:
     if not (path / "config.json").exists():
         import torch
 
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         scratch = path.with_name(f"{path.name}.{os.getpid()}")  # parallel test workers may build it at once
         make_model().save_pretrained(scratch)
         try:

@@ -17,6 +17,9 @@ if __name__ == "__main__":
     parser.add_argument("--connector", default="", help="module:Class, empty for none")
     parser.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
     parser.add_argument("--gpu-blocks", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--reset-connector", action="store_true",
+                        help="between rounds, reset the connector too (a weight update)")
     args = parser.parse_args()
 
     from vllm.config import KVTransferConfig
@@ -30,7 +33,14 @@ if __name__ == "__main__":
                                   kv_connector_extra_config=json.loads(args.extra), kv_load_failure_policy="recompute")
     llm = make_llm(args.model, config, num_gpu_blocks=args.gpu_blocks)
     try:
-        result = {"outputs": run_rounds(llm, workload(12, seed=1), rounds=2, max_tokens=8)}
+        if args.reset_connector:
+            outputs = run_rounds(llm, workload(12, seed=1), rounds=1, max_tokens=8)
+            result = {"reset": llm.reset_prefix_cache(reset_connector=True)}
+            before = dict(scheduler_connector(llm).stats())
+            outputs += run_rounds(llm, workload(12, seed=1), rounds=args.rounds - 1, max_tokens=8)
+            result |= {"outputs": outputs, "stats_before_reset": before}
+        else:
+            result = {"outputs": run_rounds(llm, workload(12, seed=1), rounds=args.rounds, max_tokens=8)}
     except Exception as exc:  # noqa: BLE001 - reported to the test, with whatever the connector saw
         result = {"error": f"{type(exc).__name__}: {exc}"}
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler

