@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install releases demo demo-model lint test stateful variants bench gpu-check clean
+.PHONY: install releases demo demo-model demo-fleet lint test stateful variants bench gpu-check clean
 
 install: $(STAMP)
 
@@ -38,6 +38,9 @@ demo: $(STAMP)
 
 demo-model: $(STAMP)
 	$(PY) -m kvoffload.reference.demo
+
+demo-fleet: $(STAMP)
+	$(PY) -m kvoffload.impl.testing.fleet_demo
 
 # ruff over the tree; mypy over kvoffload.spec (strict), .reference and .impl (config in pyproject.toml). mypy cannot
 # follow setuptools' editable-install import hook, so it reads kvoffload.* through links under .cache/mypy.

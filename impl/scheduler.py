@@ -95,6 +95,7 @@ class OffloadScheduler:
         self.shared: SharedStore | None = None  # the shared store, once attached (for existence checks)
         self._pending_gets: list[Transfer] = []
         self._get_for: dict[int, RequestState] = {}  # a get in flight -> the request whose lookup it serves
+        self._getting: set[Key] = set()  # keys a get in flight brings into the tier
         self._unput: list[Key] = []
 
     def _state(self, req_id: str) -> RequestState:
@@ -190,11 +191,14 @@ class OffloadScheduler:
             self.counters["shared_deadline_misses"] += lookup.settled
             return lookup.settled
         found = {key for key, there in zip(lookup.keys, lookup.answer.result()) if there}
-        lookup.settled = True
         if not found:
+            lookup.settled = True
             return True
         end = self._hit_end(state.request, computed, lambda key: self.tier.is_ready(key) or key in found)
         read = self._keys_read(state.request.block_hashes, computed, end)
+        if not self._getting.isdisjoint(read):
+            return False  # another request's get brings part of this hit: wait for it, not compute it
+        lookup.settled = True
         if any(key in found and not self.tier.is_ready(key) for key in read):
             slots = self.tier.prepare_store(list(read))  # the hit's entries kept, the records' reserved
             if slots:
@@ -207,6 +211,7 @@ class OffloadScheduler:
                                          [slot * k + sub for slot in slots.values() for sub in range(k)])
                 self._pending_gets.append(get)
                 self._get_for[get.job_id] = state
+                self._getting.update(slots)
                 lookup.get_job, lookup.settled = get.job_id, False
         return lookup.settled
 
@@ -414,6 +419,7 @@ class OffloadScheduler:
         if not success:
             self._leaving.update(get.keys)
         self.tier.complete_store(get.keys, success)
+        self._getting.difference_update(get.keys)
         self.counters["shared_got_blocks" if success else "shared_failed_gets"] += len(get.copies)
         state = self._get_for.pop(get.job_id)
         if state.store_lookup is not None and state.store_lookup.get_job == get.job_id:

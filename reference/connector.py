@@ -102,6 +102,7 @@ class ReferenceConnector:
         self._opened: dict[Namespace, SharedTier] = {}
         self._store_lookups: dict[str, StoreLookup] = {}
         self._pending_gets: list[Transfer] = []
+        self._being_got: set[int] = set()  # keys on their way from the store into the tier
         self._to_put: list[int] = []  # keys stored into the tier since the last plan
         # worker side
         self._executor: Executor | None = None
@@ -173,10 +174,12 @@ class ReferenceConnector:
             lookup.unanswered += 1
             lookup.done = lookup.unanswered > self.config.lookup_deadline  # late is a miss
             return lookup.done
-        lookup.done = True
         there = {key for key, found in zip(lookup.keys, lookup.answer.result()) if found}
         end = self._longest_hit(request, computed, lambda key: self._in_tier(key) or key in there)
         read = self._keys_read(request, computed, end)
+        if any(key in self._being_got for key in read):
+            return False  # another request's get brings part of this hit: wait for it
+        lookup.done = True
         if any(key in there and not self._in_tier(key) for key in read):
             slots = self.tier.prepare_store(read)  # the hit's slots kept, the records' reserved
             if slots:
@@ -185,6 +188,7 @@ class ReferenceConnector:
                 rows = [slots[key] * k + sub for key in slots for sub in range(k)]
                 get = self._new_transfer("", "get", copies, rows)
                 self._pending_gets.append(get)
+                self._being_got |= set(slots)
                 lookup.get_job, lookup.done = get.job_id, False
         return lookup.done
 
@@ -344,6 +348,7 @@ class ReferenceConnector:
                     self._to_put += [key for key in transfer.keys if key in self.tier.slots]
             elif transfer.kind == "get":
                 self.tier.complete_store(transfer.keys, success)
+                self._being_got -= set(transfer.keys)
                 for lookup in self._store_lookups.values():
                     lookup.done = lookup.done or lookup.get_job == job_id
             elif transfer.kind == "put":

@@ -105,6 +105,7 @@ class SpecConnector:
     open_store: Callable[[Namespace, int], SharedTier] | None = None
     lookups: dict[str, SharedLookup] = field(factory=dict)  # waiting requests' lookups in the store
     pending_gets: list[Transfer] = field(factory=list)  # for the next plan
+    getting: set[Key] = field(factory=set)  # keys a get in flight brings into the tier
     unput: list[Key] = field(factory=list)  # entries stored since the last plan, to put into the store
     views: dict[Namespace, SharedTier] = field(factory=dict)  # the store, opened per namespace (epoch)
     # worker side (kv and executor: set by register_kv_caches)
@@ -154,7 +155,9 @@ class SpecConnector:
         the tier lacks. Once it answers, the records that lengthen the hit are reserved in the tier (with the
         hit's entries already there, kept) and fetched by one get; the lookup is settled when the get ends, when
         the hit needs no record, when the tier has no room for them, or when the store missed the deadline
-        (``Config.lookup_deadline`` lookups): a late answer is a miss, never an endless "ask again"."""
+        (``Config.lookup_deadline`` lookups): a late answer is a miss, never an endless "ask again". A hit that
+        needs a record another request's get is bringing waits for that get (else the engine would compute the
+        prefix for this request while the record is on its way)."""
         lookup = self.lookups.get(request.req_id)
         if lookup is None:
             keys = self._keys(request)
@@ -170,6 +173,8 @@ class SpecConnector:
         found = {key for key, there in zip(lookup.keys, lookup.answer.result()) if there}
         end = self._hit(request, computed, lambda key: self._in_tier(key) or key in found)
         wanted = self._hit_keys(request, computed, end)
+        if self.getting.intersection(wanted):
+            return False
         lookup.settled = True
         if not any(key in found and not self._in_tier(key) for key in wanted):
             return True
@@ -177,6 +182,7 @@ class SpecConnector:
         if fetch:
             get = self._new_transfer("", "get", [(NULL_BLOCK, key, s) for key in fetch for s in range(self.config.k)])
             self.pending_gets.append(get)
+            self.getting.update(fetch)
             lookup.get, lookup.settled = get.job_id, False
         return lookup.settled
 
@@ -303,6 +309,7 @@ class SpecConnector:
                 self.unput += stored
         elif transfer.kind == "get":
             self.tier.complete_store(transfer.keys, success)
+            self.getting.difference_update(transfer.keys)
             for lookup in self.lookups.values():
                 lookup.settled |= lookup.get == transfer.job_id
         else:  # a put never makes its entries stale: the tier still holds what it read

@@ -68,11 +68,27 @@ def test_good_values_are_read(model):
     (dict(verify="no"), "verify='no': expected a bool"),
     (dict(verify=1), "verify=1: expected a bool"),
     (dict(tier_size=1), "unknown kv_connector_extra_config keys ['tier_size']; known: "
-                        "['offload_block_size', 'policy', 'tier_bytes', 'verify']"),
+                        "['offload_block_size', 'policy', 'shared_tier', 'tier_bytes', 'verify']"),
+    (dict(shared_tier="/mnt/kv"), "shared_tier='/mnt/kv': expected a dict"),
+    (dict(shared_tier={"bytes": 1 << 30}), "shared_tier.path is missing: expected a directory path"),
+    (dict(shared_tier={"path": "/mnt/kv"}), "shared_tier.bytes is missing: expected a positive int"),
+    (dict(shared_tier={"path": "", "bytes": 1}), "shared_tier.path='': expected a directory path"),
+    (dict(shared_tier={"path": "/mnt/kv", "bytes": "1T"}), "shared_tier.bytes='1T': expected a positive int"),
+    (dict(shared_tier={"path": "/mnt/kv", "bytes": 1, "backend": "s3"}), "shared_tier.backend='s3': expected 'fs'"),
+    (dict(shared_tier={"path": "/mnt/kv", "bytes": 1, "lookup_deadline": 0}),
+     "shared_tier.lookup_deadline=0: expected a positive int of engine steps"),
+    (dict(shared_tier={"path": "/mnt/kv", "bytes": 1, "size": 1}),
+     "unknown kv_connector_extra_config shared_tier keys ['size']; known: ['backend', 'bytes', 'lookup_deadline', "
+     "'path', 'tenant']"),
 ])
 def test_bad_value_is_one_clear_error(model, extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         config_for(model, **extra)
+
+
+def test_a_shared_tier_entry_is_read(model):
+    config = config_for(model, shared_tier={"path": "/mnt/kv", "bytes": 1 << 40, "lookup_deadline": 7})
+    assert config.lookup_deadline == 7
 
 
 def test_a_tier_of_exactly_one_offload_block_is_enough(model):
