@@ -330,3 +330,31 @@ def test_a_store_of_a_block_freed_at_finish_is_flushed_by_the_next_plan():
     with pytest.raises(Violation) as caught:
         _window_freed_at_finish(state)
     assert caught.value.invariant == "SRC"
+
+
+@pytest.mark.parametrize("connector", ["spec", "reference", "production"])
+def test_requests_sharing_a_prefix_all_wait_for_the_one_get_that_brings_it(connector):
+    """Found by the fleet demo: a second engine received many requests over one system prompt at once. The first
+    request's get reserved the prompt's records in the tier; every other request's lookup found them not ready,
+    settled for a miss and computed the prefix itself, so the get helped nobody. Fixed: a lookup whose hit needs a
+    record that a get is bringing asks again until that get ends. Here the world's own prefix cache is off, so each
+    request's hit must come through the tier."""
+    from kvoffload.impl import OffloadConnector
+    from kvoffload.impl.testing import LayeredKV
+    from kvoffload.reference import ReferenceConnector, TensorKV
+    from kvoffload.spec.store import Store
+
+    make, kv = {"spec": (SpecConnector, ListKV), "reference": (ReferenceConnector, TensorKV),
+                "production": (OffloadConnector, LayeredKV)}[connector]
+    config, store, prompt = Config(num_gpu_blocks=24, tier_blocks=8, prefix_caching=False), Store(32, delay=1), \
+        [0, 1, 2, 0, 1, 1, 2, 0, 2]
+    first = World(config, make(config), kv(config.num_gpu_blocks), store=store)
+    first.add_request(prompt, 2)
+    first.run_to_completion()
+    first.drain()
+    second = World(config, make(config), kv(config.num_gpu_blocks), store=store)
+    for _ in range(3):
+        second.add_request(prompt, 2)
+    second.run_to_completion()
+    assert store.counters["hits"] > 0
+    assert second.stats["tier_hit_tokens"] == 3 * 8  # every request: its 4 full prompt blocks

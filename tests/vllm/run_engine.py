@@ -20,6 +20,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reset-connector", action="store_true",
                         help="between rounds, reset the connector too (a weight update)")
+    parser.add_argument("--max-file-bytes", type=int, help="no file may grow past this (as on a full disk: EFBIG)")
     args = parser.parse_args()
 
     from vllm.config import KVTransferConfig
@@ -32,6 +33,12 @@ if __name__ == "__main__":
         config = KVTransferConfig(kv_connector=cls, kv_role="kv_both", kv_connector_module_path=module,
                                   kv_connector_extra_config=json.loads(args.extra), kv_load_failure_policy="recompute")
     llm = make_llm(args.model, config, num_gpu_blocks=args.gpu_blocks)
+    if args.max_file_bytes:  # once the engine is built (it writes its compile caches at start-up)
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (args.max_file_bytes, args.max_file_bytes))
     try:
         if args.reset_connector:
             outputs = run_rounds(llm, workload(12, seed=1), rounds=1, max_tokens=8)

@@ -27,10 +27,11 @@ def model(tmp_path_factory) -> Path:
 
 
 def run_engine(model: Path, connector: str = "", gpu_blocks: int = 48, rounds: int = 2, reset_connector: bool = False,
-               **extra) -> dict:
+               max_file_bytes: int = 0, **extra) -> dict:
     cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_engine.py"), "--model", str(model),
            "--connector", connector, "--extra", json.dumps(extra), "--gpu-blocks", str(gpu_blocks),
-           "--rounds", str(rounds), *(["--reset-connector"] if reset_connector else [])]
+           "--rounds", str(rounds), *(["--reset-connector"] if reset_connector else []),
+           *(["--max-file-bytes", str(max_file_bytes)] if max_file_bytes else [])]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"engine run failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"

@@ -69,3 +69,12 @@ def test_a_damaged_record_is_detected_counted_and_recomputed(model, expected, tm
     run = engine(model, tmp_path)
     assert run["outputs"] == expected
     assert run["stats"]["store_quarantined"] > 0 and run["stats"]["shared_got_blocks"] == 0
+
+
+def test_a_disk_that_refuses_writes_drops_them_with_a_reason_and_the_engine_keeps_serving(model, expected, tmp_path):
+    """No file of the engine's may grow past 4 KiB (RLIMIT_FSIZE: every record write fails with EFBIG, as on a full
+    disk): stores to the shared tier are dropped and counted; the CPU tier and the outputs are as ever."""
+    run = engine(model, tmp_path, max_file_bytes=4096)
+    assert run["outputs"] == expected
+    assert run["stats"]["store_dropped"] > 0 and run["stats"]["store_stored"] == 0
+    assert not list(tmp_path.rglob("*.kvr")) and run["stats"]["stored_blocks"] > 0
