@@ -22,8 +22,14 @@ from attrs import define
 
 from kvoffload.impl import OffloadConnector
 from kvoffload.reference import ReferenceConnector
+from attrs import evolve
+
 from kvoffload.spec import Config, Executor, ListKV, SpecConnector, World
 from kvoffload.spec.groups import FULL_ATTENTION, Group, parse_groups
+from kvoffload.spec.records import Namespace
+from kvoffload.spec.store import Store
+
+NAMESPACE = Namespace("bench", "w", "int64", "spec", 16, 16, "chained", "0")
 
 REQUEST_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished")
 CALLS = (*REQUEST_CALLS, "build_connector_meta", "update_connector_output")
@@ -62,15 +68,17 @@ class Recorder:
                 for r in self.world.requests.values()}
 
 
-def record_trace(live: int, steps: int, groups: tuple[Group, ...] = FULL_ATTENTION,
-                 seed: int = 0) -> tuple[Config, list, int, dict[str, list[int]]]:
-    """The whole trace, and where its last ``steps`` steps (the measured part) begin."""
+def record_trace(live: int, steps: int, groups: tuple[Group, ...] = FULL_ATTENTION, seed: int = 0,
+                 store: Store | None = None) -> tuple[Config, list, int, dict[str, list[int]]]:
+    """The whole trace, and where its last ``steps`` steps (the measured part) begin; with ``store``, the engine's
+    tier is backed by it (the spec connector's puts reach it one step after they are planned)."""
     config = Config(num_gpu_blocks=live * 40 * len(groups), block_size=16, offload_block_size=16,
                     tier_blocks=live * 24 * len(groups), token_budget=live + 4096, groups=groups)
     rnd = random.Random(seed)
     prefixes = [[rnd.randrange(3) for _ in range(256)] for _ in range(8)]
     connector = SpecConnector(config)
-    world = World(config, connector, ListKV(config.num_gpu_blocks), Executor(delay=1), grouped=config.hybrid)
+    world = World(config, connector, ListKV(config.num_gpu_blocks), Executor(delay=1), grouped=config.hybrid,
+                  store=store)
     recorder = Recorder(connector, world)
     world.connector = recorder
     hashes: dict[str, list[int]] = {}
@@ -92,9 +100,14 @@ def record_trace(live: int, steps: int, groups: tuple[Group, ...] = FULL_ATTENTI
 
 
 def replay(connector_class: type, config: Config, trace: list, measured_from: int,
-           hashes: dict[str, list[int]]) -> tuple[float, int]:
-    """Seconds spent inside the connector's scheduler side over the measured steps, and changed blocks seen."""
+           hashes: dict[str, list[int]], shared: bool = False) -> tuple[float, int]:
+    """Seconds spent inside the connector's scheduler side over the measured steps, and changed blocks seen. With
+    ``shared``, the trace was recorded with a store, and the connector replays it on a store of its own, which the
+    replay fills with each plan's puts as the world's workers did (outside the time measured)."""
     connector = connector_class(config)
+    store = Store(1 << 30) if shared else None
+    if store is not None:
+        connector.attach_shared_tier(store.open, NAMESPACE)
     requests: dict[str, ReplayRequest] = {}
     spent, changed = 0.0, 0
     for i, (name, states, recorded) in enumerate(trace):
@@ -111,8 +124,11 @@ def replay(connector_class: type, config: Config, trace: list, measured_from: in
         if name == "build_connector_meta":
             changed += sum(len(table) for s in args[0].scheduled for table in s.group_block_ids or (s.block_ids or (),))
         start = time.perf_counter()
-        method(*args)
+        result = method(*args)
         spent += time.perf_counter() - start
+        if store is not None and name == "build_connector_meta":
+            for put in result.puts:  # as the workers would, before the next step's lookups
+                store.open(evolve(NAMESPACE, epoch=put.epoch), 0).put([(key, b"") for key in put.keys])
     return spent, changed
 
 

@@ -178,9 +178,15 @@ class OffloadScheduler:
         Settled once the get ends, when nothing needs getting or there is no room, or past the deadline."""
         lookup = state.store_lookup
         if lookup is None:
-            hashes = state.request.block_hashes
-            keys = dict.fromkeys(group_key(h, g) for g, n in enumerate(self.strides) for h in offload_keys(hashes, n))
-            missing = [key for key in keys if not self.tier.is_ready(key)]
+            hashes, ready = state.request.block_hashes, self.tier.is_ready
+            if self.grouped:
+                keys = list(dict.fromkeys(group_key(h, g) for g, n in enumerate(self.strides)
+                                          for h in offload_keys(hashes, n)))
+            else:  # one group: its keys are the hashes themselves, and distinct
+                keys = offload_keys(hashes, self.k)
+            missing = [key for key in keys if not ready(key)]
+            if not missing:
+                return True  # the tier holds the whole prompt: no question for the store
             lookup = state.store_lookup = StoreLookup(missing, shared.at().ask(missing))
             self.counters["shared_lookups"] += 1
         if lookup.settled or lookup.get_job is not None:

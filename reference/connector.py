@@ -167,6 +167,8 @@ class ReferenceConnector:
         if lookup is None:
             wanted = dict.fromkeys(group_key(key, g) for g, keys in enumerate(self._keys(request)) for key in keys)
             missing = [key for key in wanted if not self._in_tier(key)]
+            if not missing:
+                return True  # nothing the tier lacks: nothing to ask
             lookup = self._store_lookups[request.req_id] = StoreLookup(missing, self._opened_store().ask(missing))
         if lookup.done or lookup.get_job is not None:
             return lookup.done

@@ -163,6 +163,8 @@ class SpecConnector:
             keys = self._keys(request)
             missing = [group_key(key, g) for g, group_keys in enumerate(keys) for key in group_keys]
             missing = [key for key in dict.fromkeys(missing) if not self._in_tier(key)]
+            if not missing:  # the tier has every key: nothing to ask
+                return True
             lookup = self.lookups[request.req_id] = SharedLookup(missing, self._shared().ask(missing))
         if lookup.settled or lookup.get is not None:
             return lookup.settled
