@@ -31,7 +31,7 @@ import uuid
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from kvoffload.spec.records import Bytes, Namespace, RecordError, RecordKey, check_record, encode_key, header_size, seal
 
@@ -169,23 +169,30 @@ class FileTier:
             self._count("misses")
             return False
         except OSError as error:
-            self._count(f"errors_{_reason(error)}")
+            self._read_failed(path, error)
             return False
         try:
             got = os.preadv(fd, [header, payload], 0)
             size = got if got < len(header) + len(payload) else os.fstat(fd).st_size  # a longer file is refused
-            check_record(header, payload, size, self.namespace, key)
+            self._check(header, payload, size, key)
         except RecordError as bad:
             self._quarantine(path, bad.reason)
             return False
         except OSError as error:  # transient or not, it deletes nothing
-            self._count(f"errors_{_reason(error)}")
+            self._read_failed(path, error)
             return False
         finally:
             os.close(fd)
         self._count("hits")
         self._renew(path)
         return True
+
+    def _check(self, header: Bytes, payload: Bytes, size: int, key: RecordKey) -> None:
+        check_record(header, payload, size, self.namespace, key)
+
+    def _read_failed(self, path: Path, error: OSError) -> None:
+        """A record that could not be opened (EMFILE, EACCES, EIO...) is a miss, counted; it stays for the others."""
+        self._count(f"errors_{_reason(error)}")
 
     def _quarantine(self, path: Path, reason: str) -> None:
         self._count(f"quarantined_{reason}")
@@ -200,12 +207,15 @@ class FileTier:
         for key in keys:
             self.path(key).unlink(missing_ok=True)
 
+    def _budgeted(self, pattern: str) -> Iterable[Path]:
+        return self.root.glob(pattern)
+
     def reclaim(self, budget: int, lease: float = 30.0) -> int:
         """Delete the least recently used records of every namespace under the root (and temporary files a killed
         writer left) until they fit ``budget`` bytes, never one used within ``lease`` seconds; the bytes freed."""
         files = []
-        for pattern in ("*/*/*.kvr", "*/*/.*.tmp"):
-            for path in self.root.glob(pattern):
+        for pattern in ("*/*/*.kvr", "*/*/.*.tmp"):  # every namespace's directory: one budget for the root
+            for path in self._budgeted(pattern):
                 try:
                     stat = path.stat()
                 except FileNotFoundError:  # reclaimed by another replica meanwhile

@@ -15,6 +15,8 @@ import attrs
 import pytest
 
 from kvoffload.impl.tiers import FileTier, SharedTier, TierError
+
+from . import faulty_tiers
 from kvoffload.spec.records import Namespace
 
 NS = Namespace(model="tiny-llama", weights="sha256:0f3a", kv_dtype="bfloat16", kv_layout="kv_first", block_size=16,
@@ -32,8 +34,8 @@ def read(tier: FileTier, key=KEY) -> bytes | None:
     return bytes(buffer) if tier.get([key], [memoryview(buffer)])[0] else None
 
 
-def test_a_record_comes_back_and_a_second_put_writes_nothing(tmp_path):
-    tier = FileTier(tmp_path, NS, PAYLOAD)
+def test_a_record_comes_back_and_a_second_put_writes_nothing(tmp_path, tier_class=FileTier):
+    tier = tier_class(tmp_path, NS, PAYLOAD)
     assert tier.put([(KEY, payload(1)), (5, payload(2))]) == ["stored", "stored"]
     assert tier.put([(KEY, payload(3))]) == ["present"]
     assert read(tier) == payload(1) and read(tier, 5) == payload(2)
@@ -67,8 +69,8 @@ def test_a_record_copied_into_another_namespace_is_quarantined(tmp_path):
     (lambda data: data[:-1], "short"), (lambda data: data + b"x", "length"),
     (lambda data: data[:100] + bytes([data[100] ^ 4]) + data[101:], "checksum"),
     (lambda data: b"XXXX" + data[4:], "magic")])
-def test_a_damaged_record_is_quarantined_counted_and_missed(tmp_path, damage, reason):
-    tier = FileTier(tmp_path, NS, PAYLOAD)
+def test_a_damaged_record_is_quarantined_counted_and_missed(tmp_path, damage, reason, tier_class=FileTier):
+    tier = tier_class(tmp_path, NS, PAYLOAD)
     tier.put([(KEY, payload(1))])
     path = tier.path(KEY)
     data = path.read_bytes()
@@ -139,9 +141,10 @@ def test_a_writer_killed_mid_write_leaves_nothing_that_is_served(tmp_path):
 FD_STARVED_READER = textwrap.dedent("""
     import os, resource, sys
     from kvoffload.impl.tiers import FileTier
+    from tests.unit import faulty_tiers
     from tests.unit.test_fs_tier import KEY, NS, PAYLOAD
 
-    tier = FileTier(sys.argv[1], NS, PAYLOAD)
+    tier = getattr(faulty_tiers, sys.argv[2], FileTier)(sys.argv[1], NS, PAYLOAD)
     held = []
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     try:
@@ -154,10 +157,11 @@ FD_STARVED_READER = textwrap.dedent("""
 """)
 
 
-def test_an_io_error_is_a_miss_that_deletes_nothing(tmp_path):
+def test_an_io_error_is_a_miss_that_deletes_nothing(tmp_path, tier_class=FileTier):
     tier = FileTier(tmp_path, NS, PAYLOAD)
     tier.put([(KEY, payload(1))])
-    done = subprocess.run([sys.executable, "-c", FD_STARVED_READER, str(tmp_path)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", FD_STARVED_READER, str(tmp_path), tier_class.__name__],
+                          capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), timeout=60)
     assert done.stdout.strip() == "[False] {'errors_EMFILE': 1}", done.stderr
     assert read(tier) == payload(1)  # still there, whole
@@ -176,9 +180,9 @@ def _age(tier: FileTier, keys, seconds_ago: float) -> None:
         os.utime(tier.path(key), (stamp, stamp))
 
 
-def test_the_budget_holds_for_the_whole_directory_oldest_first(tmp_path):
+def test_the_budget_holds_for_the_whole_directory_oldest_first(tmp_path, tier_class=FileTier):
     """Two replicas (here: an engine before and after a weight update) share one directory and one budget."""
-    old, new = FileTier(tmp_path, NS, PAYLOAD), FileTier(tmp_path, NS.next_epoch(), PAYLOAD)
+    old, new = tier_class(tmp_path, NS, PAYLOAD), tier_class(tmp_path, NS.next_epoch(), PAYLOAD)
     old.put([(i, payload(i)) for i in range(6)])
     new.put([(i, payload(i)) for i in range(6, 12)])
     _age(old, range(6), 600)
@@ -214,3 +218,18 @@ def test_a_file_tier_is_a_shared_tier_whose_existence_checks_answer_later(tmp_pa
     tier.put([(KEY, payload(1))])
     answer = tier.ask([KEY, 5])
     assert answer.result(timeout=5) == [True, False] and answer.done()
+
+
+@pytest.mark.parametrize("variant, test", [
+    (faulty_tiers.ServesUncheckedRecords,
+     lambda path, cls: test_a_damaged_record_is_quarantined_counted_and_missed(
+         path, lambda data: data[:100] + bytes([data[100] ^ 4]) + data[101:], "checksum", cls)),
+    (faulty_tiers.DeletesOnAnyError, test_an_io_error_is_a_miss_that_deletes_nothing),
+    (faulty_tiers.BudgetPerReplica, test_the_budget_holds_for_the_whole_directory_oldest_first),
+    (faulty_tiers.RewritesPresentRecords, test_a_record_comes_back_and_a_second_put_writes_nothing),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_every_faulty_file_tier_is_caught(variant, test, tmp_path):
+    """Each known bug of a filesystem tier fails the test written for it (and FileTier passes it)."""
+    test(tmp_path / "real", FileTier)
+    with pytest.raises(AssertionError):
+        test(tmp_path / "faulty", variant)
