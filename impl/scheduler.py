@@ -17,8 +17,8 @@ from attrs import define, field
 from kvoffload.spec.config import Config, UnknownRequestError
 from kvoffload.spec.records import Namespace
 from kvoffload.spec.store import Answer
-from kvoffload.spec.types import (NULL_BLOCK, BlockIds, Copy, Event, Key, RequestView, SchedulerOutput, TransferKind,
-                                  TransferPlan, WorkerOutput, group_key, key_index, offload_keys)
+from kvoffload.spec.types import (NULL_BLOCK, SHARED_MEDIUM, BlockIds, Copy, Event, Key, RequestView, SchedulerOutput,
+                                  TransferKind, TransferPlan, WorkerOutput, group_key, key_index, offload_keys)
 
 from .shared import Opener, SharedStore
 from .tier import OffloadTier
@@ -416,6 +416,8 @@ class OffloadScheduler:
                 self._got(transfer, success)
             elif transfer.kind == "put":
                 self.tier.complete_load(transfer.keys)  # unpinned; a failed put leaves the tier's entry as it was
+                if success:  # the store holds every record (this engine's, or a faster replica's)
+                    self.tier.events.append(Event("stored", tuple(transfer.keys), SHARED_MEDIUM))
             else:
                 self.tier.complete_load(transfer.keys, success)
                 self.counters["loaded_blocks" if success else "failed_loads"] += len(transfer.copies)

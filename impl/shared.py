@@ -63,10 +63,10 @@ def record_copy(kind: str, store: SharedTier, pool: HostPool, keys: list[Key], r
     every record was there and whole)."""
     index = [torch.tensor(rows[i * k:(i + 1) * k]) for i in range(len(keys))]
     if kind == "put":
-        def put() -> bool:
-            store.put([(key, torch.cat([region[i].reshape(-1) for region in pool.regions]).numpy().data)
-                       for key, i in zip(keys, index)])
-            return True
+        def put() -> bool:  # False if the store dropped a record (counted there): it is not in the store
+            outcomes = store.put([(key, torch.cat([region[i].reshape(-1) for region in pool.regions]).numpy().data)
+                                  for key, i in zip(keys, index)])
+            return not any(outcome.startswith("dropped") for outcome in outcomes)
         return put
 
     def get() -> bool:

@@ -44,7 +44,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, Uni
 from kvoffload.spec.config import Config, ConfigError
 from kvoffload.spec.groups import Group
 from kvoffload.spec.records import Namespace
-from kvoffload.spec.types import NULL_BLOCK, BlockIds, ScheduledRequest, SchedulerOutput, TransferPlan, WorkerOutput
+from kvoffload.spec.types import (NULL_BLOCK, SHARED_MEDIUM, BlockIds, ScheduledRequest, SchedulerOutput, TransferPlan,
+                                  WorkerOutput)
 
 from .connector import OffloadConnector
 from .shadow import ShadowMonitor
@@ -507,6 +508,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """Tier events as vLLM's, one per KV cache group: the block hashes (vLLM's) and the group."""
         origin, events = self.offload.origin, self.offload.take_events()
         for event in events:
+            medium = self.shared.backend.upper() if self.shared and event.medium == SHARED_MEDIUM else event.medium
             by_group: dict[int, list] = {}
             for key in event.keys:  # group 0's key is the hash; a later group's was recorded when it was stored
                 block_hash, group = origin.get(key, (key, 0))
@@ -515,10 +517,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 if event.kind == "stored":
                     yield BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
                                       block_size=self.config.offload_block_sizes[group], lora_id=None,
-                                      medium=event.medium,
+                                      medium=medium,
                                       lora_name=None, group_idx=group)
                 else:
-                    yield BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group)
+                    yield BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group)
 
     # ---- worker side ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -18,9 +18,9 @@ from attrs import define, evolve
 from kvoffload.spec.config import BlockIdError, Config, ConfigError, UnknownRequestError, registered
 from kvoffload.spec.records import Namespace
 from kvoffload.spec.store import Answer, SharedTier
-from kvoffload.spec.types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, SHARED, TRANSFER_FAILURES, BlockIds,
-                                  Copy, Event, Job, Observation, RequestView, SchedulerOutput, TransferKind,
-                                  TransferPlan, WorkerOutput, group_key, offload_keys)
+from kvoffload.spec.types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, SHARED, SHARED_MEDIUM,
+                                  TRANSFER_FAILURES, BlockIds, Copy, Event, Job, Observation, RequestView,
+                                  SchedulerOutput, TransferKind, TransferPlan, WorkerOutput, group_key, offload_keys)
 from kvoffload.spec.executor import Executor
 
 from .tier import LRUTier
@@ -355,6 +355,8 @@ class ReferenceConnector:
                     lookup.done = lookup.done or lookup.get_job == job_id
             elif transfer.kind == "put":
                 self.tier.complete_load(transfer.keys)  # unpinned: the tier's copy is as good as before
+                if success:  # the store holds every record now
+                    self.tier.events.append(Event("stored", tuple(transfer.keys), SHARED_MEDIUM))
             else:
                 self.tier.complete_load(transfer.keys, success)
 
@@ -456,8 +458,8 @@ class ReferenceConnector:
         rows = [torch.tensor(transfer.host_rows[i * k:(i + 1) * k]) for i in range(len(keys))]
         if transfer.kind == "put":
             def run() -> bool:
-                store.put([(key, self.host[r].numpy().tobytes()) for key, r in zip(keys, rows)])
-                return True
+                outcomes = store.put([(key, self.host[r].numpy().tobytes()) for key, r in zip(keys, rows)])
+                return all(not outcome.startswith("dropped") for outcome in outcomes)
         else:
             def run() -> bool:
                 landing = [torch.empty_like(self.host[r]) for r in rows]

@@ -49,9 +49,9 @@ from .groups import longest_hit
 from .records import Namespace
 from .store import Answer, SharedTier
 from .tier import Tier
-from .types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, SHARED, TRANSFER_FAILURES, BlockIds, Copy,
-                    Event, Job, Key, Observation, RequestView, SchedulerOutput, TransferKind, TransferPlan,
-                    WorkerOutput, group_key, offload_keys)
+from .types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, SHARED, SHARED_MEDIUM, TRANSFER_FAILURES,
+                    BlockIds, Copy, Event, Job, Key, Observation, RequestView, SchedulerOutput, TransferKind,
+                    TransferPlan, WorkerOutput, group_key, offload_keys)
 from .executor import Executor
 from .memory import ListKV
 
@@ -316,6 +316,8 @@ class SpecConnector:
                 lookup.settled |= lookup.get == transfer.job_id
         else:  # a put never makes its entries stale: the tier still holds what it read
             self.tier.complete_load(transfer.keys, success or transfer.kind == "put")
+            if transfer.kind == "put" and success:  # every record is in the store (this worker's or another's)
+                self.tier.events.append(Event("stored", tuple(transfer.keys), SHARED_MEDIUM))
 
     def request_finished(self, request: RequestView, block_ids: BlockIds) -> bool:
         """Delay the free while a store reads the blocks; a store reading a block the request no longer holds (a
@@ -406,10 +408,12 @@ class SpecConnector:
             self.tier_bytes.update({(key, s): content for s, content in enumerate(struct.unpack(f"<{k}q", buffer))})
         return True
 
-    def _put(self, put: Transfer) -> None:  # tier -> shared store; a record it drops is counted by the store
+    def _put(self, put: Transfer) -> bool:  # tier -> shared store; False if the store dropped a record
         k = self.config.k
-        self._shared(put.epoch).put([(key, struct.pack(f"<{k}q", *(self.tier_bytes[key, s] for s in range(k))))
-                                    for key in put.keys])
+        outcomes = self._shared(put.epoch).put([(key, struct.pack(f"<{k}q", *(self.tier_bytes[key, s]
+                                                                            for s in range(k))))
+                                                for key in put.keys])
+        return not any(outcome.startswith("dropped") for outcome in outcomes)
 
     def _submit(self, transfer: Transfer, run: Callable[[], bool | None]) -> None:
         for b, _key, _s in transfer.copies:

@@ -144,7 +144,10 @@ class WorkerOutput:
 class Event:
     kind: Literal["stored", "removed"]
     keys: tuple[Key, ...]
-    medium: str = "CPU"
+    medium: str = "CPU"  # or SHARED_MEDIUM: records the shared store holds now (a put landed them)
+
+
+SHARED_MEDIUM = "SHARED"
 
 
 @define(eq=False)

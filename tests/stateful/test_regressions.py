@@ -358,3 +358,5 @@ def test_requests_sharing_a_prefix_all_wait_for_the_one_get_that_brings_it(conne
     second.run_to_completion()
     assert store.counters["hits"] > 0
     assert second.stats["tier_hit_tokens"] == 3 * 8  # every request: its 4 full prompt blocks
+    shared = {key for event in first.events if event.medium == "SHARED" for key in event.keys}
+    assert shared == {key for _digest, key in store.records}  # the first engine announced each record it put
