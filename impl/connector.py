@@ -9,7 +9,7 @@ from kvoffload.spec.records import Namespace
 from kvoffload.spec.types import GROUPS, OBSERVE, REFUSE_STORE, RESET, SHARED, TRANSFER_FAILURES, Observation
 
 from .scheduler import OffloadScheduler
-from .shared import STORE_COUNTERS, Opener
+from .shared import SHARED_COUNTERS, Opener
 from .worker import OffloadWorker
 
 
@@ -29,10 +29,14 @@ class OffloadConnector(OffloadScheduler, OffloadWorker):
     def stats(self) -> dict[str, Any]:
         """Counters for operators: hits, lookups, refusals, evictions, failures, bytes and seconds per direction."""
         seconds = getattr(self.executor, "seconds", {})
-        store = self.worker_store.counters() if self.worker_store else dict.fromkeys(STORE_COUNTERS, 0)
+        store = self.worker_store.counters() if self.worker_store else dict.fromkeys(SHARED_COUNTERS, 0)
+        io_seconds = getattr(self.io, "seconds", {})
         return {**self.counters, "alloc_failures": self.tier.refusals, "evictions": self.tier.evictions,
                 "bytes_stored": self.bytes["store"], "bytes_loaded": self.bytes["load"],
-                "store_seconds": seconds.get("store", 0.0), "load_seconds": seconds.get("load", 0.0), **store}
+                "store_seconds": seconds.get("store", 0.0), "load_seconds": seconds.get("load", 0.0), **store,
+                "shared_put_bytes": self.bytes["put"], "shared_got_bytes": self.bytes["get"],
+                "shared_put_seconds": io_seconds.get("put", 0.0), "shared_get_seconds": io_seconds.get("get", 0.0),
+                "shared_backpressure_drops": getattr(self.io, "dropped", 0)}
 
     # ---- for the conformance kit ----
     def observe(self) -> Observation:

@@ -8,6 +8,7 @@ like any other transfer.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -42,19 +43,19 @@ class SharedStore:
         self.namespace = self.namespace.next_epoch()
 
     def counters(self) -> dict[str, int]:
-        """What its records went through, over every epoch opened: store_hits, store_misses, store_stored,
-        store_present, and store_dropped, store_quarantined, store_errors whatever the reason."""
-        totals = dict.fromkeys(STORE_COUNTERS, 0)
+        """What its records went through, over every epoch opened: shared_hits, shared_misses, shared_stored,
+        shared_present, and shared_dropped, shared_quarantined, shared_errors whatever the reason."""
+        totals = dict.fromkeys(SHARED_COUNTERS, 0)
         for store in self._opened.values():
             for name, n in store.counters.items():
-                kind = f"store_{name.split('_')[0]}"
+                kind = f"shared_{name.split('_')[0]}"
                 if kind in totals:
                     totals[kind] += n
         return totals
 
 
-STORE_COUNTERS = ("store_hits", "store_misses", "store_stored", "store_present", "store_dropped",
-                  "store_quarantined", "store_errors")
+SHARED_COUNTERS = ("shared_hits", "shared_misses", "shared_stored", "shared_present", "shared_dropped",
+                   "shared_quarantined", "shared_errors")
 
 
 def record_copy(kind: str, store: SharedTier, pool: HostPool, keys: list[Key], rows: list[int],
@@ -85,20 +86,36 @@ def record_copy(kind: str, store: SharedTier, pool: HostPool, keys: list[Key], r
 
 class IOExecutor:
     """Runs puts and gets on threads; ``poll`` reports those done, without waiting. A put or get that raises is a
-    failed transfer, never an engine error."""
+    failed transfer, never an engine error. Back-pressure: with ``max_puts`` puts in flight (a slow store), a new
+    put is dropped at once (reported failed, counted in ``dropped``): the tier keeps its entry, the engine never
+    waits for the store."""
 
-    def __init__(self, threads: int = 2) -> None:
+    def __init__(self, threads: int = 2, max_puts: int = 64) -> None:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kvoffload-io")
         self.in_flight: list[tuple[Job, Future[bool | None]]] = []
+        self.max_puts, self.dropped = max_puts, 0
+        self.seconds = {"get": 0.0, "put": 0.0}  # time the I/O threads spent in each kind
+        self._refused: list[tuple[int, bool]] = []
 
     def submit(self, job: Job) -> None:
-        self.in_flight.append((job, self.pool.submit(job.run)))
+        if job.kind == "put" and sum(j.kind == "put" for j, _f in self.in_flight) >= self.max_puts:
+            self.dropped += 1
+            self._refused.append((job.job_id, False))
+            return
+        self.in_flight.append((job, self.pool.submit(self._timed, job)))
+
+    def _timed(self, job: Job) -> bool | None:
+        start = time.perf_counter()
+        try:
+            return job.run()
+        finally:
+            self.seconds[job.kind] += time.perf_counter() - start
 
     def flush(self, job_ids: set[int]) -> None:
         pass  # puts and gets touch no GPU block: nothing waits for them
 
     def poll(self) -> list[tuple[int, bool]]:
-        done, pending = [], []
+        done, pending, self._refused = self._refused, [], []
         for job, future in self.in_flight:
             if future.done():
                 done.append((job.job_id, future.exception() is None and future.result() is not False))

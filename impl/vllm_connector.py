@@ -74,11 +74,12 @@ SHARED: dict[str, tuple[Callable[[object], bool], str, object]] = {
     "tenant": (lambda v: isinstance(v, str), "a str: engines of other tenants never share a record", ""),
 }
 # the worker's moves, and the shared store's counters (FileTier.counters, summed over the workers)
-MOVED = ("bytes_stored", "bytes_loaded", "store_seconds", "load_seconds", "store_hits", "store_misses",
-         "store_stored", "store_present", "store_dropped", "store_quarantined", "store_errors")
+MOVED = ("bytes_stored", "bytes_loaded", "store_seconds", "load_seconds", "shared_hits", "shared_misses",
+         "shared_stored", "shared_present", "shared_dropped", "shared_quarantined", "shared_errors", "shared_put_bytes",
+         "shared_got_bytes", "shared_put_seconds", "shared_get_seconds", "shared_backpressure_drops")
 COUNTERS = ("lookups", "hit_tokens", "engine_hit_tokens", "stored_blocks", "loaded_blocks", "failed_stores",
             "failed_loads", "alloc_failures", "evictions", "shared_lookups", "shared_deadline_misses",
-            "shared_got_blocks", "shared_failed_gets", "shared_put_blocks", "store_reclaimed_bytes", *MOVED)
+            "shared_got_blocks", "shared_failed_gets", "shared_put_blocks", "shared_reclaimed_bytes", *MOVED)
 
 
 @dataclass
@@ -468,7 +469,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """Scheduler-side counters plus what the workers moved (and what their shared-tier records went through)."""
         verdict = {"shadow": self.shadow.verdict()} if self.shadow else {}
         shared = self.offload.shared
-        reclaimed = {"store_reclaimed_bytes": shared.at().counters["reclaimed_bytes"] if shared else 0}
+        reclaimed = {"shared_reclaimed_bytes": shared.at().counters["reclaimed_bytes"] if shared else 0}
         return {**self.offload.stats(), **self.moved, **reclaimed, **verdict}
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -27,7 +27,7 @@ class OffloadWorker:
         self.pending: Counter[str] = Counter()  # request -> transfers submitted, not yet reported
         self.draining: set[str] = set()  # finished requests whose transfers have not all completed
         self.load_errors: set[int] = set()  # GPU blocks of failed loads, not yet reported
-        self.bytes = {"store": 0, "load": 0}
+        self.bytes = {"store": 0, "load": 0, "put": 0, "get": 0}
 
     def register_kv_caches(self, kv: Any, executor: Any = None) -> None:
         """``kv`` has ``caches`` (name -> tensor) and ``layout``; ``executor`` defaults to CUDA streams when the
@@ -89,6 +89,8 @@ class OffloadWorker:
         for job_id, success in results:
             transfer = self.submitted.pop(job_id)
             if transfer.kind in ("put", "get"):
+                if success:
+                    self.bytes[transfer.kind] += len(transfer.copies) * self.copier.pool.row_bytes
                 continue
             self._forget(transfer)
             if transfer.kind == "load":

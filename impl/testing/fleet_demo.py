@@ -19,8 +19,8 @@ from pathlib import Path
 from .demo import (build_tiny_llama, connector_config, engine_prompt_tokens, make_llm, run_rounds,
                    scheduler_connector, workload)
 
-FIGURES = ("shared_lookups", "shared_got_blocks", "shared_put_blocks", "store_hits", "store_stored", "store_present",
-           "store_quarantined", "store_dropped")
+FIGURES = ("shared_lookups", "shared_got_blocks", "shared_put_blocks", "shared_hits", "shared_stored", "shared_present",
+           "shared_quarantined", "shared_dropped")
 
 
 def serve(model: Path, directory: Path, requests: int, max_tokens: int) -> dict:

@@ -251,7 +251,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             for engine in (*self.fleets[0].retired, *self.fleets[0].engines):
                 self.coverage.beyond_need.update(engine.beyond_need)
             if self.fleets[0].store is not None:
-                self.coverage.world.update({f"store_{k}": n for k, n in self.fleets[0].store.counters.items()})
+                self.coverage.world.update({f"shared_{k}": n for k, n in self.fleets[0].store.counters.items()})
 
     def _compare(self) -> None:
         """Exact level: the subject's engines and observations equal the spec's, field by field, and so do the

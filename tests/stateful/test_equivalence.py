@@ -89,9 +89,9 @@ def _shared_as_expected(name, coverage):
     assert "the fleet's shared store" not in coverage.skipped
     assert coverage.invariants["PROGRESS"] > 0
     if FLEET_SCENARIOS[name].store_dead:
-        assert not coverage.world["store_hits"] and not coverage.world["store_stored"]
+        assert not coverage.world["shared_hits"] and not coverage.world["shared_stored"]
     else:
-        assert coverage.world["store_hits"] > 0 and coverage.world["store_stored"] > 0
+        assert coverage.world["shared_hits"] > 0 and coverage.world["shared_stored"] > 0
 
 
 @pytest.mark.parametrize("name", FLEET_SCENARIOS)

@@ -34,19 +34,19 @@ def engine(model, directory, **extra) -> dict:
 def test_a_second_engine_and_a_restarted_one_load_what_the_first_computed(model, expected, tmp_path):
     first = engine(model, tmp_path)
     assert first["outputs"] == expected
-    assert first["stats"]["store_stored"] > 0 and first["stats"]["shared_got_blocks"] == 0
+    assert first["stats"]["shared_stored"] > 0 and first["stats"]["shared_got_blocks"] == 0
     for later in (engine(model, tmp_path), engine(model, tmp_path)):  # another replica; a restart on the same dir
         assert later["outputs"] == expected
         assert later["stats"]["shared_got_blocks"] > 0 and later["stats"]["hit_tokens"] > 0
-        assert later["stats"]["store_hits"] > 0 and later["stats"]["store_quarantined"] == 0
-        assert later["stats"]["store_stored"] == 0  # every record was there already: none is written twice
+        assert later["stats"]["shared_hits"] > 0 and later["stats"]["shared_quarantined"] == 0
+        assert later["stats"]["shared_stored"] == 0  # every record was there already: none is written twice
 
 
 def test_an_engine_of_another_model_never_gets_a_hit(model, tmp_path, tmp_path_factory):
     engine(model, tmp_path)
     other = build_tiny_llama(tmp_path_factory.mktemp("other") / "tiny-llama", seed=1)
     run = engine(other, tmp_path)
-    assert run["stats"]["shared_got_blocks"] == 0 and run["stats"]["store_hits"] == 0
+    assert run["stats"]["shared_got_blocks"] == 0 and run["stats"]["shared_hits"] == 0
     assert run["outputs"] == run_engine(other, rounds=1)["outputs"]
 
 
@@ -55,7 +55,7 @@ def test_after_a_reset_no_record_from_before_it_is_served(model, expected, tmp_p
     assert run["reset"] is not False and run["outputs"] == expected + expected
     before, after = run["stats_before_reset"], run["stats"]
     assert after["shared_got_blocks"] == before["shared_got_blocks"] == 0  # nothing of epoch 0 reached epoch 1
-    assert after["store_stored"] > before["store_stored"]  # epoch 1 stored its own records
+    assert after["shared_stored"] > before["shared_stored"]  # epoch 1 stored its own records
 
 
 def test_a_damaged_record_is_detected_counted_and_recomputed(model, expected, tmp_path):
@@ -68,7 +68,7 @@ def test_a_damaged_record_is_detected_counted_and_recomputed(model, expected, tm
         path.write_bytes(bytes(data))
     run = engine(model, tmp_path)
     assert run["outputs"] == expected
-    assert run["stats"]["store_quarantined"] > 0 and run["stats"]["shared_got_blocks"] == 0
+    assert run["stats"]["shared_quarantined"] > 0 and run["stats"]["shared_got_blocks"] == 0
 
 
 def test_a_disk_that_refuses_writes_drops_them_with_a_reason_and_the_engine_keeps_serving(model, expected, tmp_path):
@@ -76,5 +76,5 @@ def test_a_disk_that_refuses_writes_drops_them_with_a_reason_and_the_engine_keep
     disk): stores to the shared tier are dropped and counted; the CPU tier and the outputs are as ever."""
     run = engine(model, tmp_path, max_file_bytes=4096)
     assert run["outputs"] == expected
-    assert run["stats"]["store_dropped"] > 0 and run["stats"]["store_stored"] == 0
+    assert run["stats"]["shared_dropped"] > 0 and run["stats"]["shared_stored"] == 0
     assert not list(tmp_path.rglob("*.kvr")) and run["stats"]["stored_blocks"] > 0
