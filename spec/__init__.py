@@ -3,7 +3,8 @@
 Read in this order: ``config`` (sizes, errors), ``types`` (what engine and connector exchange), ``requests`` (a
 request, its tokens and hashes), ``memory`` (GPU blocks and the block pool), ``executor`` (when transfers run),
 ``world`` (the engine), ``tier`` (the offload tier), ``connector`` (the spec connector's decisions),
-``invariants`` (what must always hold), ``records`` (the shared tier's records and namespaces). ``kit`` (needs
+``invariants`` (what must always hold), ``records`` (the shared tier's records and namespaces), ``store`` (the
+store a fleet shares) and ``fleet`` (engines on one store, crashes and restarts). ``kit`` (needs
 hypothesis) drives any connector through all of it; ``kit.trace`` replays its failures.
 """
 

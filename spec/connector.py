@@ -25,11 +25,17 @@ Scheduler side
     with (the engine frees the window's blocks first), in the next plan. The cursor counts offload blocks of
     ``Config.offload_block_size`` tokens: every group's offload blocks end on those boundaries, and each is offered
     once the cursor passes its end.
+  * a shared store (attach_shared_tier; a fleet's engines share it): every entry a store makes ready is put into
+    it with the next plan, pinned until the put ends; a waiting request's lookup first asks the store about the
+    keys the tier lacks (once per admission), answers "ask again" (None) until the store answers, gives up after
+    ``Config.lookup_deadline`` lookups, and gets the records that lengthen its hit into reserved tier entries, to
+    load from there; a reset moves the engine to its namespace's next epoch, so no older record is ever found.
 
 Worker side
   * handle_preemptions, the one hook before the forward pass, flushes the plan's ``flush`` list: the preempted
     requests' stores, and the stores reading blocks a window freed, before the pass may write those blocks;
-  * loads are submitted in start_load_kv, stores in wait_for_save (both after the forward pass wrote the blocks);
+  * loads (and gets) are submitted in start_load_kv, stores (and puts) in wait_for_save (both after the forward
+    pass wrote the blocks); a get lands all of its records, each checked by the store, or none;
   * a delayed request drains: it is reported in finished_sending once its transfers completed;
   * a failed load's GPU blocks are reported by get_block_ids_with_load_errors; with several KV cache groups, its
     request is reported in ``failed_recving`` instead (a block id does not say which group's block failed).
