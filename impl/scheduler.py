@@ -197,9 +197,6 @@ class OffloadScheduler:
             self.counters["shared_deadline_misses"] += lookup.settled
             return lookup.settled
         found = {key for key, there in zip(lookup.keys, lookup.answer.result()) if there}
-        if not found:
-            lookup.settled = True
-            return True
         end = self._hit_end(state.request, computed, lambda key: self.tier.is_ready(key) or key in found)
         read = self._keys_read(state.request.block_hashes, computed, end)
         if not self._getting.isdisjoint(read):

@@ -350,10 +350,6 @@ def worker_rank() -> int:
         return 0
 
 
-def replace_rank(namespace: Namespace, rank: int) -> Namespace:
-    return evolve(namespace, tp_rank=rank)
-
-
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -549,7 +545,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         metadata = self._metadata()
         if metadata.namespace is not None and self.offload.worker_store is None:
             self.offload.attach_worker_store(cast(SharedTierConfig, self.shared).open,
-                                             replace_rank(metadata.namespace, worker_rank()))
+                                             evolve(metadata.namespace, tp_rank=worker_rank()))
         self.offload.start_load_kv(metadata.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
