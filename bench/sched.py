@@ -16,13 +16,14 @@ import argparse
 import random
 import sys
 import time
-from typing import Any
+from collections import Counter
+from concurrent.futures import Future
+from typing import Any, Sequence
 
-from attrs import define
+from attrs import define, evolve, field
 
 from kvoffload.impl import OffloadConnector
 from kvoffload.reference import ReferenceConnector
-from attrs import evolve
 
 from kvoffload.spec import Config, Executor, ListKV, SpecConnector, World
 from kvoffload.spec.groups import FULL_ATTENTION, Group, parse_groups
@@ -99,15 +100,47 @@ def record_trace(live: int, steps: int, groups: tuple[Group, ...] = FULL_ATTENTI
     return config, recorder.trace, measured_from, hashes
 
 
+class KnownRecords:
+    """The store as the scheduler side sees it, in the replay: which records exist, each check answered at once so
+    that the replay follows its trace, and counted (a backend's hand-off of a check to its I/O threads is measured
+    apart, by ``bench/sched_shared.py``). Not the world's ``Store``: its sealed records, held in this process, would
+    slow every garbage collection the timed calls run, which no production scheduler process pays."""
+
+    def __init__(self) -> None:
+        self.names: set[tuple[int, int]] = set()  # (epoch, key)
+        self.checks = 0  # in the measured steps
+
+    def open(self, namespace: Namespace, payload_len: int) -> KnownRecords.View:
+        return KnownRecords.View(self, namespace.epoch)
+
+    @define
+    class View:
+        records: KnownRecords
+        epoch: int
+        counters: Counter[str] = field(factory=Counter)
+
+        def exists(self, keys: Sequence[int]) -> list[bool]:
+            return [(self.epoch, key) in self.records.names for key in keys]
+
+        def ask(self, keys: Sequence[int]) -> Future[list[bool]]:
+            self.records.checks += 1
+            answer: Future[list[bool]] = Future()
+            answer.set_result(self.exists(keys))
+            return answer
+
+        def put(self, records: Sequence[tuple[int, bytes]]) -> list[str]:
+            self.records.names.update((self.epoch, key) for key, _payload in records)
+            return ["stored"] * len(records)
+
+
 def replay(connector_class: type, config: Config, trace: list, measured_from: int,
-           hashes: dict[str, list[int]], shared: bool = False) -> tuple[float, int]:
+           hashes: dict[str, list[int]], store: KnownRecords | None = None) -> tuple[float, int]:
     """Seconds spent inside the connector's scheduler side over the measured steps, and changed blocks seen. With
-    ``shared``, the trace was recorded with a store, and the connector replays it on a store of its own, which the
-    replay fills with each plan's puts as the world's workers did (outside the time measured)."""
+    a ``store``, the trace was recorded with one, and the replay fills it with each plan's puts as the world's
+    workers did (outside the time measured)."""
     connector = connector_class(config)
-    store = Store(1 << 30) if shared else None
     if store is not None:
-        connector.attach_shared_tier(store.open, NAMESPACE)
+        connector.attach_shared_tier(store.open, NAMESPACE)  # type: ignore[arg-type] # the scheduler side only
     requests: dict[str, ReplayRequest] = {}
     spent, changed = 0.0, 0
     for i, (name, states, recorded) in enumerate(trace):
@@ -118,14 +151,14 @@ def replay(connector_class: type, config: Config, trace: list, measured_from: in
             req.num_tokens, req.num_computed_tokens = n_tokens, n_computed
         args = (requests[recorded[0]], *recorded[1:]) if name in REQUEST_CALLS else recorded
         method = getattr(connector, name)
-        if i < measured_from:
-            method(*args)
-            continue
-        if name == "build_connector_meta":
+        measured = i >= measured_from
+        if store is not None and i == measured_from:
+            store.checks = 0  # count the measured steps' only
+        if measured and name == "build_connector_meta":
             changed += sum(len(table) for s in args[0].scheduled for table in s.group_block_ids or (s.block_ids or (),))
         start = time.perf_counter()
         result = method(*args)
-        spent += time.perf_counter() - start
+        spent += (time.perf_counter() - start) * measured
         if store is not None and name == "build_connector_meta":
             for put in result.puts:  # as the workers would, before the next step's lookups
                 store.open(evolve(NAMESPACE, epoch=put.epoch), 0).put([(key, b"") for key in put.keys])

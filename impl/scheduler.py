@@ -197,6 +197,9 @@ class OffloadScheduler:
             self.counters["shared_deadline_misses"] += lookup.settled
             return lookup.settled
         found = {key for key, there in zip(lookup.keys, lookup.answer.result()) if there}
+        if not found and not self._getting:  # the common answer: the hit is the tier's own, nothing to wait for
+            lookup.settled = True
+            return True
         end = self._hit_end(state.request, computed, lambda key: self.tier.is_ready(key) or key in found)
         read = self._keys_read(state.request.block_hashes, computed, end)
         if not self._getting.isdisjoint(read):
@@ -222,6 +225,9 @@ class OffloadScheduler:
         """The keys a load of tokens [computed, end) reads (every group's, but the blocks a window skips), each
         with its block hash and group."""
         k, read = self.k, {}
+        if not self.grouped:  # one group: the keys are the hashes of the offload blocks' last GPU blocks
+            size = self.offload_size
+            return {h: (h, 0) for h in offload_keys(hashes, k, computed // size, end // size)}
         for g, (size, n) in enumerate(zip(self.block_sizes, self.strides)):
             for p in range(max(computed // size, self._left_behind(g, end)), end // size):
                 block_hash = hashes[key_index(p // k, n)]
@@ -234,14 +240,12 @@ class OffloadScheduler:
         keys, self._unput = [key for key in self._unput if self.tier.is_ready(key)], []
         if not keys:
             return []
-        self.tier.pin(keys)
-        k, rows = self.k, list[int]()
-        for key in keys:
-            slot = self.tier.slot_of[key]
-            rows += range(slot * k, slot * k + k)
+        k, slots = self.k, self.tier.pin(keys)
         self.counters["shared_put_blocks"] += len(keys) * k
+        if k == 1:
+            return [self._new_transfer(None, "put", keys, [(NULL_BLOCK, key, 0) for key in keys], slots)]
         return [self._new_transfer(None, "put", keys, [(NULL_BLOCK, key, sub) for key in keys for sub in range(k)],
-                                   rows)]
+                                   [slot * k + sub for slot in slots for sub in range(k)])]
 
     def _tables(self, block_ids: BlockIds | tuple[int, ...] | tuple[tuple[int, ...], ...]) -> list[list[int]]:
         return [list(t) for t in block_ids] if self.hybrid else [list(block_ids)]  # type: ignore[arg-type]

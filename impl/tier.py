@@ -40,10 +40,13 @@ class OffloadTier:
             slots.append(slot)
         return slots
 
-    def pin(self, keys: list[Key]) -> None:
-        """A put into the shared store reads these entries: not evicted until it ends (``complete_load``)."""
-        for key in keys:
-            self.refs[self.slot_of[key]] += 1
+    def pin(self, keys: list[Key]) -> list[int]:
+        """A put into the shared store reads these entries: not evicted until it ends (``complete_load``). Their
+        slots."""
+        slots, refs = [self.slot_of[key] for key in keys], self.refs
+        for slot in slots:
+            refs[slot] += 1
+        return slots
 
     def complete_load(self, keys: list[Key], success: bool = True) -> None:
         for key in keys:

@@ -62,6 +62,8 @@ class FileTier:
         self.dir = self.root / namespace.digest.hex()
         self.counters: Counter[str] = Counter()  # stored, present, hits, misses, dropped_*, errors_*, quarantined_*
         self._lock = threading.Lock()  # the I/O threads count too
+        self.used_bytes: int | None = None  # the whole directory's records, after the last reclaim
+        self._asked: list[tuple[Future[list[bool]], list[RecordKey]]] = []  # checks no I/O thread has taken yet
         # a batch's records are read and written in parallel: the reads, writes, fsyncs and checksums release the GIL
         self._pool, self._threads = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-fs"), io_threads
         self._attach()
@@ -100,8 +102,26 @@ class FileTier:
         return [self._renew(self.path(key)) for key in keys]
 
     def ask(self, keys: Sequence[RecordKey]) -> Future[list[bool]]:
-        """``exists`` on an I/O thread: a lookup asks, and reads the answer at a later step."""
-        return self._pool.submit(self.exists, list(keys))
+        """``exists`` on an I/O thread: a lookup asks, and reads the answer at a later step. Checks asked before
+        the thread took the last ones go to it together: a scheduler pass that admits many requests wakes it once
+        (a wake costs the asking thread far more than queueing a check)."""
+        answer: Future[list[bool]] = Future()
+        with self._lock:
+            self._asked.append((answer, list(keys)))
+            wake = len(self._asked) == 1
+        if wake:
+            self._pool.submit(self._answer_asked)
+        return answer
+
+    def _answer_asked(self) -> None:
+        with self._lock:
+            asked, self._asked = self._asked, []
+        for answer, keys in asked:
+            try:
+                answer.set_result(self.exists(keys))
+            except Exception as error:  # a check that fails finds nothing: a miss, never an error in the engine
+                self._count(f"errors_{type(error).__name__}")
+                answer.set_result([False] * len(keys))
 
     def _renew(self, path: Path) -> bool:
         try:
@@ -228,4 +248,5 @@ class FileTier:
             path.unlink(missing_ok=True)
             freed += size
         self._count("reclaimed_bytes", freed)
+        self.used_bytes = used - freed
         return freed

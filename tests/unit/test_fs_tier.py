@@ -233,3 +233,20 @@ def test_every_faulty_file_tier_is_caught(variant, test, tmp_path):
     test(tmp_path / "real", FileTier)
     with pytest.raises(AssertionError):
         test(tmp_path / "faulty", variant)
+
+
+def test_checks_asked_together_are_each_answered_with_their_own_records(tmp_path):
+    """Checks asked in one scheduler pass go to the I/O thread together; each gets its own answer."""
+    tier = FileTier(tmp_path, NS, PAYLOAD)
+    tier.put([(key, payload(key)) for key in range(0, 40, 3)])
+    answers = [tier.ask([key, key + 1, key + 2]) for key in range(40)]
+    for key, answer in enumerate(answers):
+        assert answer.result(timeout=5) == [k % 3 == 0 and k < 40 for k in (key, key + 1, key + 2)]
+
+
+def test_a_check_that_fails_is_a_counted_miss_never_a_lost_answer(tmp_path):
+    tier = FileTier(tmp_path, NS, PAYLOAD)
+    tier.put([(KEY, payload(1))])
+    bad = tier.ask(["not a key"])  # type: ignore[list-item]
+    assert bad.result(timeout=5) == [False] and tier.ask([KEY]).result(timeout=5) == [True]
+    assert sum(n for what, n in tier.counters.items() if what.startswith("errors_")) == 1
