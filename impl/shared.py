@@ -9,6 +9,7 @@ like any other transfer.
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -95,6 +96,7 @@ class IOExecutor:
         self.in_flight: list[tuple[Job, Future[bool | None]]] = []
         self.max_puts, self.dropped = max_puts, 0
         self.seconds = {"get": 0.0, "put": 0.0}  # time the I/O threads spent in each kind
+        self.latencies: deque[tuple[str, float]] = deque()  # (kind, seconds) of each put and get run, until taken
         self._refused: list[tuple[int, bool]] = []
 
     def submit(self, job: Job) -> None:
@@ -109,7 +111,13 @@ class IOExecutor:
         try:
             return job.run()
         finally:
-            self.seconds[job.kind] += time.perf_counter() - start
+            took = time.perf_counter() - start
+            self.seconds[job.kind] += took
+            self.latencies.append((job.kind, took))
+
+    def take_latencies(self) -> list[tuple[str, float]]:
+        n = len(self.latencies)  # the I/O threads may append meanwhile: those wait for the next call
+        return [self.latencies.popleft() for _ in range(n)]
 
     def flush(self, job_ids: set[int]) -> None:
         pass  # puts and gets touch no GPU block: nothing waits for them

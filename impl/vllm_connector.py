@@ -49,6 +49,7 @@ from kvoffload.spec.types import (NULL_BLOCK, SHARED_MEDIUM, BlockIds, Scheduled
 
 from .connector import OffloadConnector
 from .shadow import ShadowMonitor
+from .shared import IOExecutor
 from .tiers import FileTier
 
 
@@ -77,6 +78,8 @@ SHARED: dict[str, tuple[Callable[[object], bool], str, object]] = {
 MOVED = ("bytes_stored", "bytes_loaded", "store_seconds", "load_seconds", "shared_hits", "shared_misses",
          "shared_stored", "shared_present", "shared_dropped", "shared_quarantined", "shared_errors", "shared_put_bytes",
          "shared_got_bytes", "shared_put_seconds", "shared_get_seconds", "shared_backpressure_drops")
+GAUGES = ("shared_used_bytes",)  # levels: the latest value counts, never a sum
+LATENCIES = {"get": "shared_get_latencies", "put": "shared_put_latencies"}  # seconds of each get, each put
 COUNTERS = ("lookups", "hit_tokens", "engine_hit_tokens", "stored_blocks", "loaded_blocks", "failed_stores",
             "failed_loads", "alloc_failures", "evictions", "shared_lookups", "shared_deadline_misses",
             "shared_got_blocks", "shared_failed_gets", "shared_put_blocks", "shared_reclaimed_bytes", *MOVED)
@@ -158,31 +161,39 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
 
     job_results: tuple[tuple[int, bool], ...] = ()
     moved: dict[str, float] = field(default_factory=dict)  # bytes_stored, bytes_loaded, store_seconds, ...
+    latencies: tuple[tuple[str, float], ...] = ()  # ("get" or "put", seconds) of the shared tier's transfers
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """vLLM's ``KVOutputAggregator`` merges the workers' metadata with this. Every worker reports every job,
         so a job id appears once per worker; the scheduler side counts the reports (``Config.num_workers``)."""
         assert isinstance(other, KVOffloadWorkerMetadata)
         moved = {k: self.moved.get(k, 0) + other.moved.get(k, 0) for k in {*self.moved, *other.moved}}
-        return KVOffloadWorkerMetadata(self.job_results + other.job_results, moved)
+        return KVOffloadWorkerMetadata(self.job_results + other.job_results, moved, self.latencies + other.latencies)
 
 
 @dataclass
 class KVOffloadStats(KVConnectorStats):
-    """Counter increments over one logging interval (hits, lookups, blocks, failures, bytes, seconds)."""
+    """One logging interval: counter increments (hits, lookups, blocks, failures, bytes, seconds), the latest value
+    of each gauge, and the seconds of each shared-tier transfer."""
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        keys = {*self.data, *other.data}
-        return KVOffloadStats({k: self.data.get(k, 0) + other.data.get(k, 0) for k in keys})
+        merged = {**self.data, **other.data}  # a gauge: the later interval's
+        for k in {*self.data, *other.data} - set(GAUGES):
+            mine, theirs = self.data.get(k), other.data.get(k)
+            merged[k] = theirs if mine is None else mine if theirs is None else mine + theirs  # sums, or lists joined
+        return KVOffloadStats(merged)
 
     def reduce(self) -> dict[str, int | float]:
-        reduced = dict(self.data)
+        reduced = {k: v for k, v in self.data.items() if not isinstance(v, list)}
         for direction, moved in (("store", "bytes_stored"), ("load", "bytes_loaded")):
             seconds = reduced.get(f"{direction}_seconds", 0)
             reduced[f"{direction}_GBps"] = round(reduced.get(moved, 0) / seconds / 1e9, 3) if seconds else 0.0
+        for kind, name in LATENCIES.items():
+            latencies = self.data.get(name) or [0.0]
+            reduced[f"shared_{kind}_ms_mean"] = round(1e3 * sum(latencies) / len(latencies), 3)
         return reduced
 
     def is_empty(self) -> bool:
@@ -190,20 +201,34 @@ class KVOffloadStats(KVConnectorStats):
 
 
 class KVOffloadPromMetrics(KVConnectorPromMetrics):
-    """One Prometheus counter per connector counter: ``vllm:kvoffload_<name>``, labelled per engine."""
+    """``vllm:kvoffload_<name>``, labelled per engine: one counter per connector counter, the shared tier's used
+    bytes as a gauge, and the seconds of its gets and puts as histograms (one observation per worker's transfer)."""
+
+    BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self.counters = {name: self._counter_cls(name=f"vllm:kvoffload_{name}", labelnames=labelnames,
-                                                 documentation=f"kvoffload connector: {name.replace('_', ' ')}")
-                         for name in COUNTERS}
+
+        def about(name: str) -> dict[str, Any]:
+            return {"name": f"vllm:kvoffload_{name}", "labelnames": labelnames,
+                    "documentation": f"kvoffload connector: {name.replace('_', ' ')}"}
+        self.counters = {name: self._counter_cls(**about(name)) for name in COUNTERS}
+        gauge, histogram = cast(Any, self._gauge_cls), cast(Any, self._histogram_cls)  # typed as any of vLLM's
+        self.gauges = {name: gauge(**about(name), multiprocess_mode="mostrecent") for name in GAUGES}
+        self.histograms = {name: histogram(**about(name.replace("latencies", "latency_seconds")),
+                                           buckets=self.BUCKETS) for name in LATENCIES.values()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
-        for name, value in transfer_stats_data.items():
+        for name, value in transfer_stats_data.items():  # vLLM's metric classes: prometheus_client's methods
             if name in self.counters and value:
-                cast(Any, self.counters[name]).labels(*labels).inc(value)  # vLLM's Counter class: it has inc()
+                cast(Any, self.counters[name]).labels(*labels).inc(value)
+            elif name in self.gauges:
+                cast(Any, self.gauges[name]).labels(*labels).set(value)
+            elif name in self.histograms:
+                for seconds in value:
+                    cast(Any, self.histograms[name]).labels(*labels).observe(seconds)
 
 
 class VllmRequestView:
@@ -373,6 +398,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler side: what the workers moved (totals), and GPU prefix hits the engine admitted
         self.moved: dict[str, float] = dict.fromkeys((*MOVED, "engine_hit_tokens"), 0)
         self.reported = dict.fromkeys(MOVED, 0.0)  # worker side: totals already sent
+        self.latencies: list[tuple[str, float]] = []  # scheduler side: the workers' shared-tier transfers, unlogged
 
     # ---- scheduler side ----
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -402,10 +428,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._reclaimer = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-reclaim")
 
     def _keep_in_budget(self) -> None:
-        """Every 64 steps, on a thread: the least recently used records of the whole directory go, past the
-        budget (never one read within the lease)."""
+        """Once the store is attached, and every 64 steps after, on a thread: the least recently used records of the
+        whole directory go, past the budget (never one read within the lease)."""
         self.steps += 1
-        if self._reclaimer is None or self.steps % 64 or (self._reclaim and not self._reclaim.done()):
+        if self._reclaimer is None or (self._reclaim is not None and (self.steps % 64 or not self._reclaim.done())):
             return
         store = cast(FileTier, cast(Any, self.offload.shared).at())
         self._reclaim = self._reclaimer.submit(store.reclaim, cast(SharedTierConfig, self.shared).bytes)
@@ -443,6 +469,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return
         for key, value in meta.moved.items():
             self.moved[key] += value
+        self.latencies += meta.latencies
         output = WorkerOutput(job_results=meta.job_results)
         self.offload.update_connector_output(output)
         if self.shadow:
@@ -465,7 +492,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """Scheduler-side counters plus what the workers moved (and what their shared-tier records went through)."""
         verdict = {"shadow": self.shadow.verdict()} if self.shadow else {}
         shared = self.offload.shared
-        reclaimed = {"shared_reclaimed_bytes": shared.at().counters["reclaimed_bytes"] if shared else 0}
+        store = cast(Any, shared.at()) if shared else None
+        reclaimed = {"shared_reclaimed_bytes": store.counters["reclaimed_bytes"] if store else 0,
+                     "shared_used_bytes": getattr(store, "used_bytes", None)}  # known once a reclaim counted them
         return {**self.offload.stats(), **self.moved, **reclaimed, **verdict}
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -488,9 +517,16 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self.role != KVConnectorRole.SCHEDULER:
             return None
         now = self.stats()
-        delta = {name: now[name] - self.logged[name] for name in COUNTERS}
+        delta: dict[str, Any] = {name: now[name] - self.logged[name] for name in COUNTERS}
         self.logged = {name: now[name] for name in COUNTERS}
-        return KVOffloadStats(delta) if any(delta.values()) else None
+        taken, self.latencies = self.latencies, []
+        for kind, name in LATENCIES.items():
+            delta[name] = [seconds for k, seconds in taken if k == kind]
+        if not any(delta.values()):
+            return None
+        if now["shared_used_bytes"] is not None:
+            delta["shared_used_bytes"] = now["shared_used_bytes"]
+        return KVOffloadStats(delta)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVOffloadStats:
@@ -579,4 +615,6 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         moved = {key: totals[key] - self.reported[key] for key in MOVED}
         self.reported = {key: totals[key] for key in MOVED}
         results, self.job_results = tuple(self.job_results), []
-        return KVOffloadWorkerMetadata(results, moved)
+        io = self.offload.io
+        latencies = tuple(io.take_latencies()) if isinstance(io, IOExecutor) else ()
+        return KVOffloadWorkerMetadata(results, moved, latencies)

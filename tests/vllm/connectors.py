@@ -1,15 +1,20 @@
 """Connector variants the engine tests load by module path: one whose transfers really fail, one whose copies run
-late, one that records the KV events it hands vLLM, one with the seed bug and one that swaps a hybrid model's
-groups (for the shadow monitor and black-box mode to catch); and vLLM's OffloadingConnector with transfer failures
-injected (a known divergence)."""
+late, one that records the KV events it hands vLLM, one killed mid-write into the shared tier, one with the seed
+bug and one that swaps a hybrid model's groups (for the shadow monitor and black-box mode to catch); and vLLM's
+OffloadingConnector with transfer failures injected (a known divergence)."""
 
 from __future__ import annotations
+
+import dataclasses
+import os
+import signal
 
 from kvoffload.impl import OffloadConnector
 from kvoffload.spec.types import TransferPlan
 from kvoffload.impl.transfer import InlineExecutor
 from kvoffload.impl.testing.blackbox import vllm_offloading_past_known
-from kvoffload.impl.vllm_connector import KVOffloadConnector
+from kvoffload.impl.tiers import FileTier
+from kvoffload.impl.vllm_connector import KVOffloadConnector, SharedTierConfig
 
 
 class FlakyExecutor(InlineExecutor):
@@ -150,3 +155,36 @@ class SwapsGroupsConnector(KVOffloadConnector):
             def get_block_ids(self):
                 return tuple(reversed(blocks.get_block_ids()))
         super().update_state_after_alloc(request, Swapped(), num_external_tokens)
+
+
+class KilledMidWriteConnector(KVOffloadConnector):
+    """The real connector, but its engine process is killed with SIGKILL halfway through writing its fifth record
+    into the shared tier (its first half written and fsynced under the temporary name, as a crash would leave it;
+    records other I/O threads were writing are cut short wherever they were)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.shared is not None:
+            self.shared = KillingSharedTier(**dataclasses.asdict(self.shared))
+
+
+class KillingFileTier(FileTier):
+    written = 0
+
+    @staticmethod
+    def _publish(final, pieces) -> bool:
+        KillingFileTier.written += final.suffix == ".kvr"  # (not the manifest)
+        if KillingFileTier.written < 5:
+            return FileTier._publish(final, pieces)
+        whole = b"".join(bytes(piece) for piece in pieces)
+        fd = os.open(final.with_name(f".{final.name}.killed.tmp"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, whole[:len(whole) // 2])
+        os.fsync(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable: the process is dead")
+
+
+@dataclasses.dataclass(frozen=True)
+class KillingSharedTier(SharedTierConfig):
+    def open(self, namespace, payload) -> FileTier:
+        return KillingFileTier(self.path, namespace, payload)

@@ -4,6 +4,7 @@ outputs and, when a connector is configured, its counters and events. Used by te
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -39,6 +40,10 @@ if __name__ == "__main__":
 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (args.max_file_bytes, args.max_file_bytes))
+    intervals = []  # every interval's stats vLLM's scheduler took from the connector: the whole run, summed
+    if config is not None:
+        take = scheduler_connector(llm).get_kv_connector_stats
+        scheduler_connector(llm).get_kv_connector_stats = lambda: intervals.append(take()) or intervals[-1]
     try:
         if args.reset_connector:
             outputs = run_rounds(llm, workload(12, seed=1), rounds=1, max_tokens=8)
@@ -55,6 +60,9 @@ if __name__ == "__main__":
     if config is not None:
         connector = scheduler_connector(llm)
         result["stats"] = connector.stats()
+        intervals.append(connector.get_kv_connector_stats())
+        logged = [stats for stats in intervals if stats is not None]
+        result["interval"] = functools.reduce(lambda a, b: a.aggregate(b), logged).data if logged else {}
         result["events"] = [(type(e).__name__, getattr(e, "medium", None), getattr(e, "group_idx", None))
                             for e in getattr(connector, "recorded", [])]
     print("RESULT " + json.dumps(result), flush=True)

@@ -49,3 +49,12 @@ def test_interval_stats_and_prometheus_counters_follow_a_real_run(tmp_path):
         prom.observe(stats.data)
     value = prometheus_client.REGISTRY.get_sample_value("vllm:kvoffload_lookups_total", {"engine": "0"})
     assert value == total["lookups"]
+
+
+def test_an_interval_joins_transfer_latencies_and_keeps_the_latest_gauge():
+    a = KVOffloadStats({"shared_hits": 2, "shared_get_latencies": [0.002], "shared_used_bytes": 10})
+    b = KVOffloadStats({"shared_hits": 1, "shared_get_latencies": [0.004, 0.006], "shared_used_bytes": 7})
+    merged = a.aggregate(b)
+    assert merged.data == {"shared_hits": 3, "shared_get_latencies": [0.002, 0.004, 0.006], "shared_used_bytes": 7}
+    reduced = merged.reduce()
+    assert reduced["shared_get_ms_mean"] == 4.0 and "shared_get_latencies" not in reduced

