@@ -242,8 +242,6 @@ class OffloadScheduler:
             return []
         k, slots = self.k, self.tier.pin(keys)
         self.counters["shared_put_blocks"] += len(keys) * k
-        if k == 1:
-            return [self._new_transfer(None, "put", keys, [(NULL_BLOCK, key, 0) for key in keys], slots)]
         return [self._new_transfer(None, "put", keys, [(NULL_BLOCK, key, sub) for key in keys for sub in range(k)],
                                    [slot * k + sub for slot in slots for sub in range(k)])]
 
