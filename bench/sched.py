@@ -13,12 +13,13 @@ calls. Prints µs per step and µs per changed block (GPU block ids the batch ha
 from __future__ import annotations
 
 import argparse
+import gc
 import random
+import statistics
 import sys
 import time
 from collections import Counter
-from concurrent.futures import Future
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from attrs import define, evolve, field
 
@@ -28,7 +29,7 @@ from kvoffload.reference import ReferenceConnector
 from kvoffload.spec import Config, Executor, ListKV, SpecConnector, World
 from kvoffload.spec.groups import FULL_ATTENTION, Group, parse_groups
 from kvoffload.spec.records import Namespace
-from kvoffload.spec.store import Store
+from kvoffload.spec.store import SharedTier, Store
 
 NAMESPACE = Namespace("bench", "w", "int64", "spec", 16, 16, "chained", "0")
 
@@ -101,17 +102,37 @@ def record_trace(live: int, steps: int, groups: tuple[Group, ...] = FULL_ATTENTI
 
 
 class KnownRecords:
-    """The store as the scheduler side sees it, in the replay: which records exist, each check answered at once so
-    that the replay follows its trace, and counted (a backend's hand-off of a check to its I/O threads is measured
-    apart, by ``bench/sched_shared.py``). Not the world's ``Store``: its sealed records, held in this process, would
-    slow every garbage collection the timed calls run, which no production scheduler process pays."""
+    """The store as the scheduler side sees it, in the replay: which records exist, each check answered as it is
+    asked so that the replay follows its trace, and counted. Its own time is taken out of the connector's. With a
+    ``backend`` (a real tier), each check also goes to it, in the time measured: what the connector's scheduler
+    thread pays for a real store (its answers are waited for after the plan, outside that time). Not the world's
+    ``Store``: its sealed records, held in this process, would slow every garbage collection the timed calls run,
+    which no production scheduler process pays."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: SharedTier | None = None) -> None:
         self.names: set[tuple[int, int]] = set()  # (epoch, key)
+        self.backend, self.pending = backend, []  # the backend's answers, not waited for yet
         self.checks = 0  # in the measured steps
+        self.spent = 0.0  # seconds inside its own ``ask``: the replay takes them out of the connector's
 
     def open(self, namespace: Namespace, payload_len: int) -> KnownRecords.View:
         return KnownRecords.View(self, namespace.epoch)
+
+    def settle(self) -> None:
+        """Wait for the backend's answers (as the forward pass would)."""
+        for answer in self.pending:
+            answer.result()
+        self.pending.clear()
+
+    @define
+    class Known:
+        found: list[bool]
+
+        def done(self) -> bool:
+            return True
+
+        def result(self) -> list[bool]:
+            return self.found
 
     @define
     class View:
@@ -122,10 +143,13 @@ class KnownRecords:
         def exists(self, keys: Sequence[int]) -> list[bool]:
             return [(self.epoch, key) in self.records.names for key in keys]
 
-        def ask(self, keys: Sequence[int]) -> Future[list[bool]]:
-            self.records.checks += 1
-            answer: Future[list[bool]] = Future()
-            answer.set_result(self.exists(keys))
+        def ask(self, keys: Sequence[int]) -> KnownRecords.Known:
+            start, records = time.perf_counter(), self.records
+            records.checks += 1
+            answer = KnownRecords.Known(self.exists(keys))
+            records.spent += time.perf_counter() - start
+            if records.backend is not None:
+                records.pending.append(records.backend.ask(keys))
             return answer
 
         def put(self, records: Sequence[tuple[int, bytes]]) -> list[str]:
@@ -133,36 +157,80 @@ class KnownRecords:
             return ["stored"] * len(records)
 
 
-def replay(connector_class: type, config: Config, trace: list, measured_from: int,
-           hashes: dict[str, list[int]], store: KnownRecords | None = None) -> tuple[float, int]:
-    """Seconds spent inside the connector's scheduler side over the measured steps, and changed blocks seen. With
-    a ``store``, the trace was recorded with one, and the replay fills it with each plan's puts as the world's
+class Replay:
+    """One connector's replay of a trace, a step at a time (``step`` replays calls up to the next plan): ``spent``
+    is the seconds inside its scheduler-side calls over the measured steps, ``changed`` the changed blocks seen.
+    With a ``store``, the trace was recorded with one, and the replay fills it with each plan's puts as the world's
     workers did (outside the time measured)."""
-    connector = connector_class(config)
-    if store is not None:
-        connector.attach_shared_tier(store.open, NAMESPACE)  # type: ignore[arg-type] # the scheduler side only
-    requests: dict[str, ReplayRequest] = {}
-    spent, changed = 0.0, 0
-    for i, (name, states, recorded) in enumerate(trace):
-        for req_id, (n_hashes, n_tokens, n_computed) in states.items():
-            req = requests.get(req_id) or requests.setdefault(req_id, ReplayRequest(req_id, []))
-            if len(req.block_hashes) < n_hashes:
-                req.block_hashes.extend(hashes[req_id][len(req.block_hashes):n_hashes])
-            req.num_tokens, req.num_computed_tokens = n_tokens, n_computed
-        args = (requests[recorded[0]], *recorded[1:]) if name in REQUEST_CALLS else recorded
-        method = getattr(connector, name)
-        measured = i >= measured_from
-        if store is not None and i == measured_from:
-            store.checks = 0  # count the measured steps' only
-        if measured and name == "build_connector_meta":
-            changed += sum(len(table) for s in args[0].scheduled for table in s.group_block_ids or (s.block_ids or (),))
-        start = time.perf_counter()
-        result = method(*args)
-        spent += (time.perf_counter() - start) * measured
-        if store is not None and name == "build_connector_meta":
-            for put in result.puts:  # as the workers would, before the next step's lookups
-                store.open(evolve(NAMESPACE, epoch=put.epoch), 0).put([(key, b"") for key in put.keys])
-    return spent, changed
+
+    def __init__(self, connector_class: type, config: Config, trace: list, measured_from: int,
+                 hashes: dict[str, list[int]], store: KnownRecords | None = None) -> None:
+        self.connector, self.trace, self.measured_from = connector_class(config), trace, measured_from
+        self.hashes = hashes
+        self.store, self.requests, self.next = store, {}, 0
+        self.spent, self.changed = 0.0, 0
+        if store is not None:
+            self.connector.attach_shared_tier(store.open, NAMESPACE)  # the scheduler side only
+
+    @property
+    def done(self) -> bool:
+        return self.next == len(self.trace)
+
+    def step(self) -> None:
+        store, requests = self.store, self.requests
+        while not self.done:
+            i, (name, states, recorded) = self.next, self.trace[self.next]
+            self.next += 1
+            for req_id, (n_hashes, n_tokens, n_computed) in states.items():
+                req = requests.get(req_id) or requests.setdefault(req_id, ReplayRequest(req_id, []))
+                if len(req.block_hashes) < n_hashes:
+                    req.block_hashes.extend(self.hashes[req_id][len(req.block_hashes):n_hashes])
+                req.num_tokens, req.num_computed_tokens = n_tokens, n_computed
+            args = (requests[recorded[0]], *recorded[1:]) if name in REQUEST_CALLS else recorded
+            method = getattr(self.connector, name)
+            measured = i >= self.measured_from
+            if store is not None and i == self.measured_from:
+                store.checks = 0  # count the measured steps' only
+            if measured and name == "build_connector_meta":
+                self.changed += sum(len(table) for s in args[0].scheduled
+                                    for table in s.group_block_ids or (s.block_ids or (),))
+            own = store.spent if store is not None else 0.0
+            start = time.perf_counter()
+            result = method(*args)
+            self.spent += (time.perf_counter() - start - (store.spent - own if store is not None else 0.0)) * measured
+            if name == "build_connector_meta":
+                if store is not None:  # as the workers would, before the next lookups
+                    for put in result.puts:
+                        store.open(evolve(NAMESPACE, epoch=put.epoch), 0).put([(key, b"") for key in put.keys])
+                    store.settle()
+                return
+
+
+Trace = tuple[Config, list, int, dict[str, list[int]]]  # what record_trace returns
+Run = tuple[type, Trace, Callable[[], KnownRecords] | None]  # a connector, a trace, its store (if recorded with one)
+
+
+def side_by_side(runs: Sequence[Run], rounds: int = 5) -> list[list[Replay]]:
+    """The runs' replays, a step each in turn, so that a machine that slows down slows them all alike: one list of
+    replays per round."""
+    rounds_run = []
+    for _ in range(rounds):
+        gc.collect()
+        replays = [Replay(c, *trace, store=store() if store else None) for c, trace, store in runs]
+        gc.freeze()  # the traces and the hashes are the bench's, not the connector's: no collection walks them
+        while not all(r.done for r in replays):
+            for r in replays:
+                r.step()
+        gc.unfreeze()
+        rounds_run.append(replays)
+    return rounds_run
+
+
+def paired(rounds: list[list[Replay]]) -> tuple[float, float, float]:
+    """The first and the second replay's fastest seconds, and the median over rounds of their ratio (second /
+    first, each round's pair timed side by side: steadier than a ratio of two minima)."""
+    ratios = [b.spent / a.spent for a, b, *_ in rounds]
+    return min(r[0].spent for r in rounds), min(r[1].spent for r in rounds), statistics.median(ratios)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,13 +245,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{'ref µs/blk':>11} {'impl µs/blk':>12} {'impl/ref':>9}")
     for live in args.live:
         print(f"  recording {args.steps} steps with {live} live requests...", file=sys.stderr, flush=True)
-        config, trace, measured_from, hashes = record_trace(live, args.steps, args.groups)
-        ref, changed = min(replay(ReferenceConnector, config, trace, measured_from, hashes) for _ in range(3))
-        impl, _ = min(replay(OffloadConnector, config, trace, measured_from, hashes) for _ in range(3))
-        ratios[live] = impl / ref
+        trace = record_trace(live, args.steps, args.groups)
+        rounds = side_by_side([(ReferenceConnector, trace, None), (OffloadConnector, trace, None)])
+        ref, impl, ratios[live] = paired(rounds)
+        changed = rounds[0][0].changed
         steps = args.steps
         print(f"{live:>6} {steps:>6} {changed:>8} {ref / steps * 1e6:>12.1f} {impl / steps * 1e6:>13.1f} "
-              f"{ref / changed * 1e6:>11.2f} {impl / changed * 1e6:>12.2f} {impl / ref:>9.2f}", flush=True)
+              f"{ref / changed * 1e6:>11.2f} {impl / changed * 1e6:>12.2f} {ratios[live]:>9.2f}", flush=True)
     for live, ratio in ratios.items():
         print(f"sched_ratio_vs_reference_{live}={ratio:.3f}")
     worst = max((ratios[n] for n in (256, 1024) if n in ratios), default=max(ratios.values()))

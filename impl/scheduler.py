@@ -178,13 +178,13 @@ class OffloadScheduler:
         Settled once the get ends, when nothing needs getting or there is no room, or past the deadline."""
         lookup = state.store_lookup
         if lookup is None:
-            hashes, ready = state.request.block_hashes, self.tier.is_ready
+            hashes = state.request.block_hashes
             if self.grouped:
                 keys = list(dict.fromkeys(group_key(h, g) for g, n in enumerate(self.strides)
                                           for h in offload_keys(hashes, n)))
             else:  # one group: its keys are the hashes themselves, and distinct
                 keys = offload_keys(hashes, self.k)
-            missing = [key for key in keys if not ready(key)]
+            missing = self.tier.missing(keys)
             if not missing:
                 return True  # the tier holds the whole prompt: no question for the store
             lookup = state.store_lookup = StoreLookup(missing, shared.at().ask(missing))
@@ -196,10 +196,11 @@ class OffloadScheduler:
             lookup.settled = lookup.unanswered > self.config.lookup_deadline
             self.counters["shared_deadline_misses"] += lookup.settled
             return lookup.settled
-        found = {key for key, there in zip(lookup.keys, lookup.answer.result()) if there}
-        if not found and not self._getting:  # the common answer: the hit is the tier's own, nothing to wait for
+        there = lookup.answer.result()
+        if not self._getting and not any(there):  # the common answer: the hit is the tier's own, nothing to wait for
             lookup.settled = True
             return True
+        found = {key for key, present in zip(lookup.keys, there) if present}
         end = self._hit_end(state.request, computed, lambda key: self.tier.is_ready(key) or key in found)
         read = self._keys_read(state.request.block_hashes, computed, end)
         if not self._getting.isdisjoint(read):
@@ -237,13 +238,13 @@ class OffloadScheduler:
     def _puts(self) -> list[Transfer]:
         """One put of what the tier stored since the last plan and still holds, pinned until it ends; before this
         plan's stores may evict it."""
-        keys, self._unput = [key for key in self._unput if self.tier.is_ready(key)], []
+        keys, self._unput = self.tier.ready_of(self._unput), []
         if not keys:
             return []
-        k, slots = self.k, self.tier.pin(keys)
+        k, subs, slots = self.k, range(self.k), self.tier.pin(keys)
         self.counters["shared_put_blocks"] += len(keys) * k
-        return [self._new_transfer(None, "put", keys, [(NULL_BLOCK, key, sub) for key in keys for sub in range(k)],
-                                   [slot * k + sub for slot in slots for sub in range(k)])]
+        return [self._new_transfer(None, "put", keys, [(NULL_BLOCK, key, sub) for key in keys for sub in subs],
+                                   [slot * k + sub for slot in slots for sub in subs])]
 
     def _tables(self, block_ids: BlockIds | tuple[int, ...] | tuple[tuple[int, ...], ...]) -> list[list[int]]:
         return [list(t) for t in block_ids] if self.hybrid else [list(block_ids)]  # type: ignore[arg-type]
@@ -414,7 +415,7 @@ class OffloadScheduler:
             elif transfer.kind == "get":
                 self._got(transfer, success)
             elif transfer.kind == "put":
-                self.tier.complete_load(transfer.keys)  # unpinned; a failed put leaves the tier's entry as it was
+                self.tier.unpin(transfer.keys)  # a failed put leaves the tier's entry as it was
                 if success:  # the store holds every record (this engine's, or a faster replica's)
                     self.tier.events.append(Event("stored", tuple(transfer.keys), SHARED_MEDIUM))
             else:

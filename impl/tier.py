@@ -27,6 +27,15 @@ class OffloadTier:
         slot = self.slot_of.get(key)
         return slot is not None and bool(self.ready[slot]) and not self.stale[slot]
 
+    # ``is_ready`` over many keys, inlined: a lookup's question for the shared store, a put's entries
+    def missing(self, keys: list[Key]) -> list[Key]:
+        slot_of, ready, stale = self.slot_of, self.ready, self.stale
+        return [key for key in keys if (slot := slot_of.get(key)) is None or not ready[slot] or stale[slot]]
+
+    def ready_of(self, keys: list[Key]) -> list[Key]:
+        slot_of, ready, stale = self.slot_of, self.ready, self.stale
+        return [key for key in keys if (slot := slot_of.get(key)) is not None and ready[slot] and not stale[slot]]
+
     def _evictable(self, key: Key) -> bool:
         slot = self.slot_of[key]
         return bool(self.ready[slot]) and not self.refs[slot]
@@ -41,12 +50,20 @@ class OffloadTier:
         return slots
 
     def pin(self, keys: list[Key]) -> list[int]:
-        """A put into the shared store reads these entries: not evicted until it ends (``complete_load``). Their
-        slots."""
+        """A put into the shared store reads these entries: not evicted until it ends (``unpin``). Their slots."""
         slots, refs = [self.slot_of[key] for key in keys], self.refs
         for slot in slots:
             refs[slot] += 1
         return slots
+
+    def unpin(self, keys: list[Key]) -> None:
+        """A put ended: its entries may be evicted again (one the tier dropped meanwhile leaves now)."""
+        slot_of, refs, stale = self.slot_of, self.refs, self.stale
+        for key in keys:
+            slot = slot_of[key]
+            refs[slot] -= 1
+            if stale[slot] and not refs[slot]:
+                self._remove([key])
 
     def complete_load(self, keys: list[Key], success: bool = True) -> None:
         for key in keys:
