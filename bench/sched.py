@@ -104,8 +104,9 @@ def record_trace(live: int, steps: int, groups: tuple[Group, ...] = FULL_ATTENTI
 class KnownRecords:
     """The store as the scheduler side sees it, in the replay: which records exist, each check answered as it is
     asked so that the replay follows its trace, and counted. Its own time is taken out of the connector's. With a
-    ``backend`` (a real tier), each check also goes to it, in the time measured: what the connector's scheduler
-    thread pays for a real store (its answers are waited for after the plan, outside that time). Not the world's
+    ``backend`` (a real tier), each check and each put learned also go to it, in the time measured: what the
+    connector's scheduler thread pays for a real store (answers a backend did not give at once are waited for after
+    the plan, outside that time). Not the world's
     ``Store``: its sealed records, held in this process, would slow every garbage collection the timed calls run,
     which no production scheduler process pays."""
 
@@ -134,6 +135,9 @@ class KnownRecords:
         def result(self) -> list[bool]:
             return self.found
 
+        def waited(self) -> float:
+            return 0.0
+
     @define
     class View:
         records: KnownRecords
@@ -155,6 +159,12 @@ class KnownRecords:
         def put(self, records: Sequence[tuple[int, bytes]]) -> list[str]:
             self.records.names.update((self.epoch, key) for key, _payload in records)
             return ["stored"] * len(records)
+
+        def learn(self, keys: Sequence[int]) -> None:
+            """The scheduler side learns its workers' puts: the backend's index does, in the time measured."""
+            learn = getattr(self.records.backend, "learn", None)
+            if learn is not None:
+                learn(keys)
 
 
 class Replay:

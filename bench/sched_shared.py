@@ -4,8 +4,9 @@ The same prefix-heavy decode workload is recorded twice with the spec connector 
 with a store, and each trace is replayed through the production connector, side by side, timing only its
 scheduler-side calls (see ``bench/sched.py``). With the store, every lookup of a new request asks it, every store
 that lands is put, and hits come from it too; each check also goes to a real filesystem tier (``FileTier`` on a
-temporary directory), in the time measured: what the scheduler thread pays to hand it to the tier's I/O threads
-(the checks themselves run there, waited for after each plan as the forward pass would). Last line:
+temporary directory), in the time measured, and so does each put the scheduler side learns of: what the scheduler
+thread pays for the tier's index (listings run on its I/O threads; an answer that waits for one is waited for
+after each plan, as the forward pass would). Last line:
 ``sched_shared_tier_vs_off=<on/off>``, the worse of the ratios at 256 and 1024 live requests (each the median over
 rounds of a ratio timed side by side).
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable
+from typing import Callable, cast
 
 from attrs import define, field
 
@@ -38,11 +38,11 @@ class RequestState:
 @define(slots=True)
 class StoreLookup:
     """A waiting request's existence check in the shared store: asked once per admission, answered or given up
-    after ``Config.lookup_deadline`` lookups, then at most one get of the records that lengthen its hit."""
+    after ``Config.lookup_deadline`` (the store's clock), then at most one get of the records that lengthen its
+    hit."""
 
     keys: list[Key]
     answer: Answer
-    unanswered: int = 0
     get_job: int | None = None
     settled: bool = False
 
@@ -192,8 +192,7 @@ class OffloadScheduler:
         if lookup.settled or lookup.get_job is not None:
             return lookup.settled
         if not lookup.answer.done():
-            lookup.unanswered += 1
-            lookup.settled = lookup.unanswered > self.config.lookup_deadline
+            lookup.settled = lookup.answer.waited() > self.config.lookup_deadline
             self.counters["shared_deadline_misses"] += lookup.settled
             return lookup.settled
         there = lookup.answer.result()
@@ -418,6 +417,7 @@ class OffloadScheduler:
                 self.tier.unpin(transfer.keys)  # a failed put leaves the tier's entry as it was
                 if success:  # the store holds every record (this engine's, or a faster replica's)
                     self.tier.events.append(Event("stored", tuple(transfer.keys), SHARED_MEDIUM))
+                    cast(SharedStore, self.shared).published(transfer.epoch, transfer.keys)
             else:
                 self.tier.complete_load(transfer.keys, success)
                 self.counters["loaded_blocks" if success else "failed_loads"] += len(transfer.copies)

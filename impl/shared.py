@@ -31,14 +31,21 @@ class SharedStore:
 
     def __init__(self, open: Opener, namespace: Namespace, payload: int) -> None:
         self.open, self.namespace, self.payload = open, namespace, payload
-        self._opened: dict[Namespace, SharedTier] = {}
+        self._opened: dict[int, SharedTier] = {}  # by epoch
 
     def at(self, epoch: int | None = None) -> SharedTier:
-        namespace = self.namespace if epoch is None else evolve(self.namespace, epoch=epoch)
-        store = self._opened.get(namespace)
+        epoch = self.namespace.epoch if epoch is None else epoch
+        store = self._opened.get(epoch)
         if store is None:
-            store = self._opened[namespace] = self.open(namespace, self.payload)
+            store = self._opened[epoch] = self.open(evolve(self.namespace, epoch=epoch), self.payload)
         return store
+
+    def published(self, epoch: int, keys: list[Key]) -> None:
+        """A put of this engine's ended well: its records are in the store. A backend that answers existence
+        checks from an index of its own (``FileTier.learn``) learns them now, not at its next listing."""
+        learn = getattr(self.at(epoch), "learn", None)
+        if learn is not None:
+            learn(keys)
 
     def next_epoch(self) -> None:
         self.namespace = self.namespace.next_epoch()

@@ -57,6 +57,10 @@ def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def _positive_seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+
+
 # kv_connector_extra_config: key -> (check, what it must be). Defaults are in config_from_vllm.
 EXTRA: dict[str, tuple[Callable[[object], bool], str]] = {
     "tier_bytes": (_positive_int, "a positive int of bytes (e.g. 8 << 30)"),
@@ -71,7 +75,7 @@ SHARED: dict[str, tuple[Callable[[object], bool], str, object]] = {
     "backend": (lambda v: v == "fs", "'fs' (a directory; one host, or a shared filesystem)", "fs"),
     "path": (lambda v: isinstance(v, str) and bool(v), "a directory path", None),
     "bytes": (_positive_int, "a positive int: the byte budget of the whole directory, every engine's records", None),
-    "lookup_deadline": (_positive_int, "a positive int of engine steps", Config().lookup_deadline),
+    "lookup_deadline": (_positive_seconds, "a positive number of seconds (e.g. 0.1)", 0.1),
     "tenant": (lambda v: isinstance(v, str), "a str: engines of other tenants never share a record", ""),
 }
 # the worker's moves, and the shared store's counters (FileTier.counters, summed over the workers)
@@ -98,7 +102,7 @@ class SharedTierConfig:
     backend: str
     path: str
     bytes: int
-    lookup_deadline: int
+    lookup_deadline: float  # seconds an existence check may take before the lookup gives up on it
     tenant: str
 
     @classmethod

@@ -66,11 +66,10 @@ class TensorKV:
 @define
 class StoreLookup:
     """One waiting request's question to the shared store, until it is admitted: asked once; answered, or given up
-    after ``Config.lookup_deadline`` lookups; then at most one get of what it found."""
+    after ``Config.lookup_deadline`` on the store's clock; then at most one get of what it found."""
 
     keys: list[int]
     answer: Answer
-    unanswered: int = 0  # lookups that found no answer yet
     get_job: int | None = None
     done: bool = False
 
@@ -173,8 +172,7 @@ class ReferenceConnector:
         if lookup.done or lookup.get_job is not None:
             return lookup.done
         if not lookup.answer.done():
-            lookup.unanswered += 1
-            lookup.done = lookup.unanswered > self.config.lookup_deadline  # late is a miss
+            lookup.done = lookup.answer.waited() > self.config.lookup_deadline  # late is a miss
             return lookup.done
         there = {key for key, found in zip(lookup.keys, lookup.answer.result()) if found}
         end = self._longest_hit(request, computed, lambda key: self._in_tier(key) or key in there)

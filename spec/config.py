@@ -45,6 +45,11 @@ def _require_non_negative(name: str, value: object) -> None:
         raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
 
 
+def _require_time(name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+        raise ConfigError(f"{name} must be a non-negative, finite time, got {value!r}")
+
+
 @frozen
 class Config:
     """Sizes are in tokens or in blocks, as named; everything is small on purpose."""
@@ -64,16 +69,17 @@ class Config:
     # Only a connector that declares GROUPS (vLLM's SupportsHMA) sees more than one; for any other, the engine
     # turns its hybrid manager off and every layer gets full-attention blocks, as vLLM does.
     groups: tuple[Group, ...] = FULL_ATTENTION
-    # A shared store's existence check may take several steps; a lookup that finds it unanswered this many times
-    # gives up on it (a miss), so that a slow or dead store never holds a request back for long.
-    lookup_deadline: int = 3
+    # A shared store's existence check may take a while; a lookup that finds it unanswered after this long (on the
+    # store's clock: ticks in the world, seconds in vLLM) gives up on it (a miss), so that a slow or dead store
+    # never holds a request back for long. Time, not a count of lookups: those come as fast as the engine spins.
+    lookup_deadline: float = 3
 
     def __attrs_post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "offload_block_size", "tier_blocks", "token_budget",
                      "num_workers"):
             _require_positive(name, getattr(self, name))
         _require_non_negative("num_spec_tokens", self.num_spec_tokens)
-        _require_non_negative("lookup_deadline", self.lookup_deadline)
+        _require_time("lookup_deadline", self.lookup_deadline)
         if self.offload_block_size % self.block_size:
             raise ConfigError(
                 f"offload_block_size ({self.offload_block_size} tokens) must be a multiple of "

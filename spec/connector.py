@@ -27,9 +27,10 @@ Scheduler side
     once the cursor passes its end.
   * a shared store (attach_shared_tier; a fleet's engines share it): every entry a store makes ready is put into
     it with the next plan, pinned until the put ends; a waiting request's lookup first asks the store about the
-    keys the tier lacks (once per admission), answers "ask again" (None) until the store answers, gives up after
-    ``Config.lookup_deadline`` lookups, and gets the records that lengthen its hit into reserved tier entries, to
-    load from there; a reset moves the engine to its namespace's next epoch, so no older record is ever found.
+    keys the tier lacks (once per admission), answers "ask again" (None) until the store answers, gives up once
+    the check is older than ``Config.lookup_deadline`` (the store's clock), and gets the records that lengthen its
+    hit into reserved tier entries, to load from there; a reset moves the engine to its namespace's next epoch,
+    so no older record is ever found.
 
 Worker side
   * handle_preemptions, the one hook before the forward pass, flushes the plan's ``flush`` list: the preempted
@@ -84,7 +85,6 @@ class SharedLookup:
 
     keys: list[Key]  # asked about: the request's keys the tier lacks
     answer: Answer
-    asks: int = 0  # lookups that found the check unanswered
     get: int | None = None  # the get in flight for it
     settled: bool = False
 
@@ -161,7 +161,7 @@ class SpecConnector:
         the tier lacks. Once it answers, the records that lengthen the hit are reserved in the tier (with the
         hit's entries already there, kept) and fetched by one get; the lookup is settled when the get ends, when
         the hit needs no record, when the tier has no room for them, or when the store missed the deadline
-        (``Config.lookup_deadline`` lookups): a late answer is a miss, never an endless "ask again". A hit that
+        (``Config.lookup_deadline`` ticks): a late answer is a miss, never an endless "ask again". A hit that
         needs a record another request's get is bringing waits for that get (else the engine would compute the
         prefix for this request while the record is on its way)."""
         lookup = self.lookups.get(request.req_id)
@@ -175,8 +175,7 @@ class SpecConnector:
         if lookup.settled or lookup.get is not None:
             return lookup.settled
         if not lookup.answer.done():
-            lookup.asks += 1
-            lookup.settled = lookup.asks > self.config.lookup_deadline
+            lookup.settled = lookup.answer.waited() > self.config.lookup_deadline
             return lookup.settled
         found = {key for key, there in zip(lookup.keys, lookup.answer.result()) if there}
         end = self._hit(request, computed, lambda key: self._in_tier(key) or key in found)

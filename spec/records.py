@@ -94,6 +94,15 @@ def encode_key(key: RecordKey) -> bytes:
     return b"i" + int(key).to_bytes(8, "little", signed=True)
 
 
+def decode_key(echo: bytes) -> RecordKey:
+    """The key ``encode_key`` encoded (a store that names records by key lists them back to keys)."""
+    if echo[:1] == b"b":
+        return echo[1:]
+    if echo[:1] == b"i" and len(echo) == 9:
+        return int.from_bytes(echo[1:], "little", signed=True)
+    raise ValueError(f"not an encoded record key: {echo!r}")
+
+
 def header_size(key: RecordKey) -> int:
     """Bytes before the payload in ``key``'s record."""
     return _HEAD.size + _CHECK.size + len(encode_key(key))

@@ -25,11 +25,15 @@ from .records import Bytes, Namespace, RecordError, RecordKey, check_record, hea
 
 
 class Answer(Protocol):
-    """An existence check in flight (a ``concurrent.futures.Future`` is one)."""
+    """An existence check in flight."""
 
     def done(self) -> bool: ...
 
     def result(self) -> list[bool]: ...
+
+    def waited(self) -> float:
+        """How long it has been asked, on the store's clock: ticks here, seconds for a backend."""
+        ...
 
 
 class SharedTier(Protocol):
@@ -79,6 +83,9 @@ class Query:
         if self.answer is None:
             raise RuntimeError("the store has not answered yet")
         return self.answer
+
+    def waited(self) -> int:
+        return self.store.ticks - self.asked_at
 
 
 @define

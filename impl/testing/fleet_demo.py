@@ -25,9 +25,7 @@ FIGURES = ("shared_lookups", "shared_got_blocks", "shared_put_blocks", "shared_h
 
 def serve(model: Path, directory: Path, requests: int, max_tokens: int) -> dict:
     """One engine, in this process: the workload once, on the shared tier in ``directory``."""
-    # every prompt is submitted at once, so while they all wait on the directory the engine's passes schedule
-    # nothing and spin far faster than the I/O thread answers: a lookup deadline of a few passes would give up
-    shared = {"backend": "fs", "path": str(directory), "bytes": 1 << 30, "lookup_deadline": 200}
+    shared = {"backend": "fs", "path": str(directory), "bytes": 1 << 30}
     llm = make_llm(model, connector_config(tier_bytes=64 << 20, offload_block_size=32, shared_tier=shared),
                    log_stats=True)
     outputs = run_rounds(llm, workload(requests, seed=0), rounds=1, max_tokens=max_tokens)

@@ -18,6 +18,12 @@ Capacity is one byte budget for the whole directory, whoever wrote into it: ``re
 records (old epochs included) and deletes the least recently used first. A lookup or a read renews a record's lease
 (its mtime), and no record is reclaimed within ``lease`` seconds of that, so one promised at lookup is still there
 at the load. (A reader that has the file open keeps reading it whatever happens to its name.)
+
+Existence checks (``ask``, on the scheduler's thread) are answered at once from an index of the namespace's keys,
+listed at attach, listed again on an I/O thread at most every ``refresh`` seconds (more, if a listing takes long),
+and told of this engine's own puts at once (``learn``). After an idle spell, a small directory is listed on the
+asking thread first, so records replicas wrote meanwhile are found. An index that is behind only costs hits: a
+record it lists that is gone by the get is a miss like any other, and the engine recomputes.
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ import threading
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
-from kvoffload.spec.records import Bytes, Namespace, RecordError, RecordKey, check_record, encode_key, header_size, seal
+from kvoffload.spec.records import (Bytes, Namespace, RecordError, RecordKey, check_record, decode_key, encode_key,
+                                    header_size, seal)
 
 
 T = TypeVar("T")
@@ -55,18 +62,44 @@ def _fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
+class TimedAnswer:
+    """An existence check, answered when asked (from the index)."""
+
+    __slots__ = ("asked_at", "found")
+
+    def __init__(self, found: list[bool]) -> None:
+        self.asked_at, self.found = time.monotonic(), found
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> list[bool]:
+        return self.found
+
+    def waited(self) -> float:
+        return time.monotonic() - self.asked_at
+
+
 class FileTier:
+    SPOT_LISTING = 0.01  # seconds: a directory listed faster (a few thousand records) is listed on an ask's thread
+
     def __init__(self, root: str | os.PathLike[str], namespace: Namespace, payload_len: int,
-                 io_threads: int = 4) -> None:
+                 io_threads: int = 4, refresh: float = 0.5) -> None:
         self.root, self.namespace, self.payload_len = Path(root), namespace, payload_len
         self.dir = self.root / namespace.digest.hex()
         self.counters: Counter[str] = Counter()  # stored, present, hits, misses, dropped_*, errors_*, quarantined_*
-        self._lock = threading.Lock()  # the I/O threads count too
+        self._lock = threading.Lock()  # the I/O threads count, list and renew too
         self.used_bytes: int | None = None  # the whole directory's records, after the last reclaim
-        self._asked: list[tuple[Future[list[bool]], list[RecordKey]]] = []  # checks no I/O thread has taken yet
+        # the index: the namespace's keys as last listed, with what was learned since
+        self._index: set[RecordKey] = set()
+        self._learned: set[RecordKey] = set()  # learned while a listing runs: it may have missed them
+        self._listed_at, self._took = 0.0, 0.0  # when the last listing began, and the seconds it took
+        self._period, self._refresh, self._listing = refresh, refresh, True
+        self._found: list[RecordKey] = []  # records found by asks, their leases not renewed yet
         # a batch's records are read and written in parallel: the reads, writes, fsyncs and checksums release the GIL
         self._pool, self._threads = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-fs"), io_threads
         self._attach()
+        self._list()
 
     def _in_parallel(self, each: Callable[..., T], items: list[tuple[Any, ...]]) -> list[T]:
         """``each(*item)`` for every item, in order; a contiguous slice of the batch per I/O thread."""
@@ -101,27 +134,78 @@ class FileTier:
         """Which records are there; each one found has its lease renewed (a load of it is likely to follow)."""
         return [self._renew(self.path(key)) for key in keys]
 
-    def ask(self, keys: Sequence[RecordKey]) -> Future[list[bool]]:
-        """``exists`` on an I/O thread: a lookup asks, and reads the answer at a later step. Checks asked before
-        the thread took the last ones go to it together: a scheduler pass that admits many requests wakes it once
-        (a wake costs the asking thread far more than queueing a check)."""
-        answer: Future[list[bool]] = Future()
+    def ask(self, keys: Sequence[RecordKey]) -> TimedAnswer:
+        """Which records are there, by the index. An index older than ``refresh`` seconds is listed again on an I/O
+        thread, the answer given from the one at hand; one older than four periods (an idle spell: replicas may have
+        written much since) is listed first, on the spot, if the last listing took at most ``SPOT_LISTING``."""
         with self._lock:
-            self._asked.append((answer, list(keys)))
-            wake = len(self._asked) == 1
-        if wake:
-            self._pool.submit(self._answer_asked)
-        return answer
+            age = time.monotonic() - self._listed_at
+            if age < self._period or self._listing:
+                return self._answer(keys)
+            self._listing = True
+            if age < 4 * self._period or self._took > self.SPOT_LISTING:
+                self._pool.submit(self._list)
+                return self._answer(keys)
+        self._list()
+        with self._lock:
+            return self._answer(keys)
 
-    def _answer_asked(self) -> None:
+    def _answer(self, keys: Sequence[RecordKey]) -> TimedAnswer:  # under the lock
+        found = [key in self._index for key in keys]
+        self._renew_later([key for key, there in zip(keys, found) if there])
+        return TimedAnswer(found)
+
+    def learn(self, keys: Iterable[RecordKey]) -> None:
+        """Records this engine's workers published (their puts ran in other processes): in the index at once."""
         with self._lock:
-            asked, self._asked = self._asked, []
-        for answer, keys in asked:
-            try:
-                answer.set_result(self.exists(keys))
-            except Exception as error:  # a check that fails finds nothing: a miss, never an error in the engine
-                self._count(f"errors_{type(error).__name__}")
-                answer.set_result([False] * len(keys))
+            self._index.update(keys)
+            if self._listing:
+                self._learned.update(keys)
+
+    def _list(self) -> None:
+        """List the namespace's records into the index (``_listing`` is set). On this thread at attach and after an
+        idle spell: a listing on an I/O thread waits for the GIL at every directory it opens while the scheduler
+        thread spins through lookups, past any lookup's deadline in a real engine."""
+        began, keys = time.monotonic(), None
+        try:
+            keys = self._scan()
+        except OSError as error:  # the index stays as it was: asks go on, from what it knows
+            self._count(f"errors_{_reason(error)}")
+        finally:
+            with self._lock:
+                if keys is not None:
+                    self._index = keys | self._learned
+                self._took = time.monotonic() - began
+                self._learned, self._listing, self._listed_at = set(), False, began
+                self._period = max(self._refresh, 10 * self._took)
+
+    def _scan(self) -> set[RecordKey]:
+        keys = set()
+        with os.scandir(self.dir) as shards:
+            for shard in shards:
+                if len(shard.name) != 2 or not shard.is_dir():
+                    continue
+                with os.scandir(shard.path) as names:
+                    for name in names:
+                        if name.name.endswith(".kvr") and not name.name.startswith("."):
+                            try:
+                                keys.add(decode_key(bytes.fromhex(name.name[:-4])))
+                            except ValueError:  # not a record's name: never asked about
+                                pass
+        return keys
+
+    def _renew_later(self, keys: list[RecordKey]) -> None:  # under the lock
+        """Leases of records an ask found, renewed on an I/O thread: one wake for every ask until it runs."""
+        if keys:
+            if not self._found:
+                self._pool.submit(self._renew_found)
+            self._found += keys
+
+    def _renew_found(self) -> None:
+        with self._lock:
+            keys, self._found = self._found, []
+        for key in keys:
+            self._renew(self.path(key))
 
     def _renew(self, path: Path) -> bool:
         try:
@@ -153,6 +237,8 @@ class FileTier:
         except OSError as error:  # a full disk, a read-only directory: the engine goes on without this record
             outcome = f"dropped:{_reason(error)}"
         self._count(outcome.replace(":", "_"))
+        if outcome in ("stored", "present"):
+            self.learn([key])
         return outcome
 
     @staticmethod
@@ -216,6 +302,7 @@ class FileTier:
 
     def _quarantine(self, path: Path, reason: str) -> None:
         self._count(f"quarantined_{reason}")
+        self._forget([decode_key(bytes.fromhex(path.stem))])
         quarantine = self.dir / "quarantine"
         try:
             quarantine.mkdir(exist_ok=True)
@@ -226,6 +313,12 @@ class FileTier:
     def delete(self, keys: Sequence[RecordKey]) -> None:
         for key in keys:
             self.path(key).unlink(missing_ok=True)
+        self._forget(keys)
+
+    def _forget(self, keys: Iterable[RecordKey]) -> None:
+        with self._lock:
+            self._index.difference_update(keys)
+            self._learned.difference_update(keys)
 
     def _budgeted(self, pattern: str) -> Iterable[Path]:
         return self.root.glob(pattern)
@@ -247,6 +340,8 @@ class FileTier:
                 break
             path.unlink(missing_ok=True)
             freed += size
+            if path.parent.parent == self.dir and path.suffix == ".kvr":
+                self._forget([decode_key(bytes.fromhex(path.stem))])
         self._count("reclaimed_bytes", freed)
         self.used_bytes = used - freed
         return freed

@@ -145,6 +145,7 @@ FD_STARVED_READER = textwrap.dedent("""
     from tests.unit.test_fs_tier import KEY, NS, PAYLOAD
 
     tier = getattr(faulty_tiers, sys.argv[2], FileTier)(sys.argv[1], NS, PAYLOAD)
+    tier.ask([KEY]).result(timeout=5)  # the first listing ends before the descriptors run out
     held = []
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     try:
@@ -213,11 +214,115 @@ def test_a_killed_writers_temporary_file_is_reclaimed_once_old(tmp_path):
 
 
 def test_a_file_tier_is_a_shared_tier_whose_existence_checks_answer_later(tmp_path):
-    """The connector asks without waiting: the answer is a future, read at a later step."""
+    """The connector asks without waiting: the answer is read at a later step, and says how long it has waited."""
     tier: SharedTier = FileTier(tmp_path, NS, PAYLOAD)
     tier.put([(KEY, payload(1))])
     answer = tier.ask([KEY, 5])
-    assert answer.result(timeout=5) == [True, False] and answer.done()
+    assert answer.result(timeout=5) == [True, False] and answer.done() and 0 <= answer.waited() < 5
+
+
+def eventually(condition, what: str) -> None:
+    """Poll ``condition`` (it waits on the tier's I/O threads) for up to 5 s."""
+    deadline = time.monotonic() + 5
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_an_ask_renews_the_lease_of_each_record_it_finds(tmp_path):
+    tier = FileTier(tmp_path, NS, PAYLOAD)
+    tier.put([(KEY, payload(1))])
+    old = time.time() - 600
+    os.utime(tier.path(KEY), (old, old))
+    assert tier.ask([KEY, 5]).result(timeout=5) == [True, False]
+    eventually(lambda: tier.path(KEY).stat().st_mtime > old + 500, "the lease was never renewed")
+
+
+def test_another_replicas_record_is_found_once_the_directory_is_listed_again(tmp_path):
+    mine, theirs = FileTier(tmp_path, NS, PAYLOAD, refresh=0.05), FileTier(tmp_path, NS, PAYLOAD)
+    assert mine.ask([KEY]).result(timeout=5) == [False]
+    theirs.put([(KEY, payload(1))])
+    eventually(lambda: mine.ask([KEY]).result()[0], "a replica's record was never found")
+    assert read(mine) == payload(1)
+
+
+def test_after_an_idle_spell_a_small_directory_is_listed_before_the_answer(tmp_path):
+    mine, theirs = FileTier(tmp_path, NS, PAYLOAD, refresh=0.02), FileTier(tmp_path, NS, PAYLOAD)
+    assert mine.ask([KEY]).result() == [False]
+    theirs.put([(KEY, payload(1)), (5, payload(2))])
+    time.sleep(0.2)  # more than four periods: the index is too old to answer from
+    assert [mine.ask([KEY]).result(), mine.ask([5, 6]).result()] == [[True], [True, False]]
+
+
+class SlowListing(FileTier):
+    SPOT_LISTING = -1.0  # every listing is too slow to run on the asking thread
+
+
+def test_after_an_idle_spell_a_large_directory_answers_at_once_and_is_listed_behind(tmp_path):
+    mine, theirs = SlowListing(tmp_path, NS, PAYLOAD, refresh=0.02), FileTier(tmp_path, NS, PAYLOAD)
+    theirs.put([(KEY, payload(1))])
+    time.sleep(0.2)
+    assert mine.ask([KEY]).result() == [False]  # the scheduler thread never waits for a listing
+    eventually(lambda: not mine._listing, "the listing never ended")
+    assert mine.ask([KEY]).result() == [True]
+
+
+def test_the_schedulers_index_learns_its_workers_puts_at_once(tmp_path):
+    """In vLLM the workers put in other processes: the scheduler side learns of them when the put ends."""
+    scheduler_side, worker_side = FileTier(tmp_path, NS, PAYLOAD, refresh=60), FileTier(tmp_path, NS, PAYLOAD)
+    assert scheduler_side.ask([KEY]).result(timeout=5) == [False]
+    worker_side.put([(KEY, payload(1))])
+    assert scheduler_side.ask([KEY]).result(timeout=5) == [False]  # listed a minute ago at the earliest
+    scheduler_side.learn([KEY])
+    assert scheduler_side.ask([KEY]).result(timeout=5) == [True]
+
+
+def test_what_a_reclaim_deletes_leaves_the_index(tmp_path):
+    tier = FileTier(tmp_path, NS, PAYLOAD, refresh=60)
+    tier.put([(i, payload(i)) for i in range(3)])
+    for i in range(3):
+        os.utime(tier.path(i), (time.time() - 600 + i, time.time() - 600 + i))
+    tier.reclaim(budget=tier.path(2).stat().st_size, lease=60)
+    assert tier.ask([0, 1, 2]).result(timeout=5) == [False, False, True]
+
+
+def test_a_quarantined_record_leaves_the_index(tmp_path):
+    tier = FileTier(tmp_path, NS, PAYLOAD, refresh=60)
+    tier.put([(KEY, payload(1))])
+    data = tier.path(KEY).read_bytes()
+    tier.path(KEY).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert read(tier) is None and tier.ask([KEY]).result(timeout=5) == [False]
+
+
+def test_a_directory_that_cannot_be_listed_is_counted_and_every_ask_is_answered(tmp_path):
+    tier = FileTier(tmp_path, NS, PAYLOAD, refresh=0.01)
+    tier.put([(KEY, payload(1))])
+    assert tier.ask([KEY]).result(timeout=5) == [True]
+    moved = tier.dir.rename(tmp_path / "away")
+    tier.dir.write_bytes(b"")  # a file where the directory was: every listing fails (ENOTDIR)
+    time.sleep(0.1)  # past four periods: the first ask lists, which fails
+    answers = [tier.ask([KEY, 5]) for _ in range(3)]
+    assert [a.result(timeout=5) for a in answers] == [[True, False]] * 3  # what the index knew, kept
+    assert tier.counters["errors_ENOTDIR"] >= 1
+    tier.dir.unlink()
+    moved.rename(tier.dir)
+
+
+def test_an_engine_learns_its_puts_in_the_epoch_they_were_made(tmp_path):
+    from kvoffload.impl.shared import SharedStore
+
+    opened = []
+
+    def open_tier(namespace, payload_len):
+        opened.append(FileTier(tmp_path, namespace, payload_len, refresh=60))
+        return opened[-1]
+
+    store = SharedStore(open_tier, NS, PAYLOAD)
+    first = store.at()
+    store.next_epoch()
+    store.published(0, [KEY])  # a put of the epoch before the reset ended after it
+    assert first.ask([KEY]).result(timeout=5) == [True] and store.at().ask([KEY]).result(timeout=5) == [False]
+    assert [t.namespace.epoch for t in opened] == [0, 1]
 
 
 @pytest.mark.parametrize("variant, test", [
@@ -236,7 +341,6 @@ def test_every_faulty_file_tier_is_caught(variant, test, tmp_path):
 
 
 def test_checks_asked_together_are_each_answered_with_their_own_records(tmp_path):
-    """Checks asked in one scheduler pass go to the I/O thread together; each gets its own answer."""
     tier = FileTier(tmp_path, NS, PAYLOAD)
     tier.put([(key, payload(key)) for key in range(0, 40, 3)])
     answers = [tier.ask([key, key + 1, key + 2]) for key in range(40)]
@@ -244,9 +348,10 @@ def test_checks_asked_together_are_each_answered_with_their_own_records(tmp_path
         assert answer.result(timeout=5) == [k % 3 == 0 and k < 40 for k in (key, key + 1, key + 2)]
 
 
-def test_a_check_that_fails_is_a_counted_miss_never_a_lost_answer(tmp_path):
-    tier = FileTier(tmp_path, NS, PAYLOAD)
+def test_a_name_in_the_directory_that_is_not_a_record_is_never_an_answer(tmp_path):
+    tier = FileTier(tmp_path, NS, PAYLOAD, refresh=0.01)
     tier.put([(KEY, payload(1))])
-    bad = tier.ask(["not a key"])  # type: ignore[list-item]
-    assert bad.result(timeout=5) == [False] and tier.ask([KEY]).result(timeout=5) == [True]
-    assert sum(n for what, n in tier.counters.items() if what.startswith("errors_")) == 1
+    (tier.path(KEY).parent / "zz.kvr").write_bytes(b"x")  # not a key's name
+    time.sleep(0.1)
+    assert tier.ask([KEY]).result(timeout=5) == [True]
+    assert all(answer.result(timeout=5) == [True] for answer in [tier.ask([KEY]) for _ in range(3)])

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload.spec.records import Namespace, RecordError, check_record, header_size, seal
+from kvoffload.spec.records import Namespace, RecordError, check_record, decode_key, encode_key, header_size, seal
 
 NS = Namespace(model="tiny-llama", weights="sha256:0f3a", kv_dtype="bfloat16", kv_layout="kv_first", block_size=16,
                hash_block_size=16, hash_algorithm="sha256", hash_seed="none-hash:0")
@@ -90,3 +90,15 @@ def test_a_groups_key_is_the_same_in_every_process():
     assert len(keys) == 1, keys
     first = keys.pop()
     assert "[" in first and first.count(",") == 1  # two distinct group keys, and one int key
+
+
+@given(st.one_of(st.binary(max_size=40), st.integers(-(1 << 63), (1 << 63) - 1)))
+def test_a_key_decodes_to_itself(key):
+    """A store that names records by key (the filesystem tier's index) lists them back to the same keys."""
+    assert decode_key(encode_key(key)) == key
+
+
+@pytest.mark.parametrize("echo", [b"", b"x12", b"i123", bytes.fromhex("ff")])
+def test_a_name_that_is_no_key_is_refused(echo):
+    with pytest.raises(ValueError):
+        decode_key(echo)

@@ -76,7 +76,9 @@ def test_good_values_are_read(model):
     (dict(shared_tier={"path": "/mnt/kv", "bytes": "1T"}), "shared_tier.bytes='1T': expected a positive int"),
     (dict(shared_tier={"path": "/mnt/kv", "bytes": 1, "backend": "s3"}), "shared_tier.backend='s3': expected 'fs'"),
     (dict(shared_tier={"path": "/mnt/kv", "bytes": 1, "lookup_deadline": 0}),
-     "shared_tier.lookup_deadline=0: expected a positive int of engine steps"),
+     "shared_tier.lookup_deadline=0: expected a positive number of seconds (e.g. 0.1)"),
+    (dict(shared_tier={"path": "/mnt/kv", "bytes": 1, "lookup_deadline": float("inf")}),
+     "shared_tier.lookup_deadline=inf: expected a positive number of seconds (e.g. 0.1)"),
     (dict(shared_tier={"path": "/mnt/kv", "bytes": 1, "size": 1}),
      "unknown kv_connector_extra_config shared_tier keys ['size']; known: ['backend', 'bytes', 'lookup_deadline', "
      "'path', 'tenant']"),
@@ -87,8 +89,9 @@ def test_bad_value_is_one_clear_error(model, extra, message):
 
 
 def test_a_shared_tier_entry_is_read(model):
-    config = config_for(model, shared_tier={"path": "/mnt/kv", "bytes": 1 << 40, "lookup_deadline": 7})
-    assert config.lookup_deadline == 7
+    config = config_for(model, shared_tier={"path": "/mnt/kv", "bytes": 1 << 40, "lookup_deadline": 0.25})
+    assert config.lookup_deadline == 0.25
+    assert config_for(model, shared_tier={"path": "/mnt/kv", "bytes": 1 << 40}).lookup_deadline == 0.1
 
 
 def test_a_tier_of_exactly_one_offload_block_is_enough(model):

@@ -21,10 +21,6 @@ from kvoffload.impl.vllm_connector import KVOffloadConnector  # noqa: E402
 from .test_engine import CONNECTOR, ENV, ROOT, run_engine  # noqa: E402
 
 ONE_ROUND = dict(tier_bytes=32 << 20, offload_block_size=32)
-# The workload submits every prompt at once: while all of them wait on the directory's answers, the engine's passes
-# schedule nothing and spin faster than the I/O thread, which waits for the GIL, answers (about 5 ms here). The
-# default deadline (3 passes) then gives up on most checks: these tests are about what a hit serves, so they wait.
-PATIENT = 200
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +50,7 @@ def sample(name: str) -> float | None:
 
 def engine(model, directory, **extra) -> dict:
     """One engine process, one round of the workload, on the shared tier in ``directory``."""
-    shared = {"backend": "fs", "path": str(directory), "bytes": 1 << 30, "lookup_deadline": PATIENT}
+    shared = {"backend": "fs", "path": str(directory), "bytes": 1 << 30}
     return run_engine(model, CONNECTOR, rounds=extra.pop("rounds", 1), **ONE_ROUND, shared_tier=shared, **extra)
 
 
@@ -119,7 +115,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_that_is_ever_served(model, exp
     """Engine A's process is killed with SIGKILL halfway through a record (``KilledMidWriteConnector``): the half
     record stays under its temporary name. Engine B, on the same directory, serves the records A finished, never the
     torn one, and its outputs equal recompute."""
-    shared = {"backend": "fs", "path": str(tmp_path), "bytes": 1 << 30, "lookup_deadline": PATIENT}
+    shared = {"backend": "fs", "path": str(tmp_path), "bytes": 1 << 30}
     cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_engine.py"), "--model", str(model), "--connector",
            "tests.vllm.connectors:KilledMidWriteConnector", "--extra", json.dumps({**ONE_ROUND, "shared_tier": shared}),
            "--rounds", "1"]
