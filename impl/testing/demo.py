@@ -36,7 +36,7 @@ def build_tiny_llama(path: Path, seed: int = 0) -> Path:
     def llama() -> Any:
         from transformers import LlamaConfig, LlamaForCausalLM
         return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **TINY))
-    return _save_once(path, llama, seed)
+    return save_once(path, llama, seed)
 
 
 def build_tiny_gemma3(path: Path, sliding_window: int = 64) -> Path:
@@ -46,10 +46,10 @@ def build_tiny_gemma3(path: Path, sliding_window: int = 64) -> Path:
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
         return Gemma3ForCausalLM(Gemma3TextConfig(num_hidden_layers=4, head_dim=32, sliding_window=sliding_window,
                                                   layer_types=["sliding_attention", "full_attention"] * 2, **TINY))
-    return _save_once(path, gemma3)
+    return save_once(path, gemma3)
 
 
-def _save_once(path: Path, make_model: Any, seed: int = 0) -> Path:
+def save_once(path: Path, make_model: Any, seed: int = 0) -> Path:
     if not (path / "config.json").exists():
         import torch
 
@@ -72,18 +72,32 @@ def connector_config(**extra):
                             kv_load_failure_policy="recompute")  # a failed load is recomputed, not an error
 
 
-def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log_stats: bool = False):
-    """``log_stats`` turns on vLLM's metrics (``llm.get_metrics()``); its periodic log stays below ERROR."""
+def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log_stats: bool = False,
+             max_model_len: int = 1024, memory_share: float = 0.1):
+    """``log_stats`` turns on vLLM's metrics (``llm.get_metrics()``); its periodic log stays below ERROR.
+    ``memory_share``: of the memory node, for the process (weights and KV): vLLM's CPU worker refuses to start if
+    the process already holds more."""
     from vllm import LLM
 
-    return LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=1024,
+    return LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=max_model_len,
                num_gpu_blocks_override=num_gpu_blocks, enable_prefix_caching=True, dtype="float32",
-               gpu_memory_utilization=0.1, kv_transfer_config=kv_transfer_config, seed=0,
+               gpu_memory_utilization=memory_share, kv_transfer_config=kv_transfer_config, seed=0,
                disable_log_stats=not log_stats)
 
 
 def scheduler_connector(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def reset_prefix_cache(llm: Any, most_steps: int = 100) -> int:
+    """``LLM.reset_prefix_cache()``, checked: vLLM refuses it while a finished request's blocks are still held
+    (our connector delays their free until its stores end, and offline vLLM releases them only at the next engine
+    step), so the engine is stepped until it succeeds. Returns the steps it took; raises if it never does."""
+    for steps in range(most_steps + 1):
+        if llm.reset_prefix_cache():
+            return steps
+        llm.llm_engine.step()
+    raise RuntimeError(f"reset_prefix_cache() still refused after {most_steps} engine steps")
 
 
 def workload(requests: int, seed: int) -> list[list[int]]:
@@ -108,7 +122,7 @@ def run_rounds(llm, prompts: list[list[int]], rounds: int, max_tokens: int,
             seconds.append(spent)
         print(f"  round {r + 1}/{rounds}: {len(prompts)} requests, {spent:.2f} s", file=sys.stderr, flush=True)
         outputs += [list(o.outputs[0].token_ids) for o in done]
-        llm.reset_prefix_cache()  # the next round's shared prefixes must come from the tier
+        reset_prefix_cache(llm)  # the next round's shared prefixes must come from the tier
     return outputs
 
 

