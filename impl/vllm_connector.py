@@ -25,6 +25,7 @@ block, becomes ``NULL_BLOCK``.
 from __future__ import annotations
 
 import hashlib
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import gcd
@@ -60,6 +61,12 @@ def _positive_int(value: object) -> bool:
 def _positive_seconds(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
+
+# A step that schedules nothing while our transfers run: vLLM steps again at once, and a loop that spins holding the
+# GIL starves our I/O threads, which take the GIL back after every system call and wait up to its 5 ms switch
+# interval each time (a shared-tier get of 2k tokens took 6.3 s that way, 0.6 s with the interval at 0.5 ms:
+# bench/ttft.py). Such a step yields to them for this long: it had nothing to compute.
+IDLE_YIELD = 0.001
 
 # kv_connector_extra_config: key -> (check, what it must be). Defaults are in config_from_vllm.
 EXTRA: dict[str, tuple[Callable[[object], bool], str]] = {
@@ -464,6 +471,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self.shadow:
             self.shadow.batch(neutral)
         self._keep_in_budget()
+        if not scheduler_output.total_num_scheduled_tokens and self.offload.unfinished:
+            time.sleep(IDLE_YIELD)
         shared = self.offload.shared
         return KVOffloadMetadata(plan, shared.namespace if shared else None)
 
