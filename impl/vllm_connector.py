@@ -496,6 +496,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.shadow.reset(done)
         return done
 
+    def has_pending_push_work(self) -> bool:
+        """vLLM keeps stepping while this is True, requests or none: a transfer still in flight when the last request
+        finished (a put to the shared tier, most often) is reported, its tier entry unpinned and its bytes counted."""
+        return bool(self.offload.unfinished)
+
     def get_finished_count(self) -> int:
         """Every worker reports every request's finished transfers: vLLM's aggregator waits for all of them,
         as our scheduler side waits for every worker's report of a job."""

@@ -1,6 +1,9 @@
 """Demo: a prefix-heavy workload through a real vLLM engine (CPU) with the offloading connector.
 
-Builds a tiny random-weight Llama (no downloads), runs the workload once without the connector and once with it —
+First, time to first token with and without the connector, on a random Llama big enough that prefill costs time:
+a long document asked again after the engine's prefix cache was reset is recomputed without the connector, and
+loaded from our CPU tier with it (``kvoffload.impl.testing.ttft``). Then the workload: it builds a tiny
+random-weight Llama (no downloads), runs the workload once without the connector and once with it —
 resetting the engine's own prefix cache between rounds, so shared prefixes must come back from our CPU tier — and
 prints, from vLLM's own metrics, the prompt tokens the engine computed and the seconds its generate calls took,
 both ways; what the connector moved, at bytes over copy time; and whether the outputs are identical.
@@ -98,6 +101,17 @@ def reset_prefix_cache(llm: Any, most_steps: int = 100) -> int:
             return steps
         llm.llm_engine.step()
     raise RuntimeError(f"reset_prefix_cache() still refused after {most_steps} engine steps")
+
+
+def drain(llm: Any, seconds: float = 60) -> None:
+    """Step the engine until the connector has no transfer in flight (it asks vLLM to step for them:
+    ``has_pending_push_work``), so that the puts to the shared tier end, and are counted, before anyone reads the
+    counters or the process exits."""
+    offload, deadline = scheduler_connector(llm).offload, time.monotonic() + seconds
+    while offload.unfinished:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(offload.unfinished)} transfers still in flight after {seconds} s")
+        llm.llm_engine.step()
 
 
 def workload(requests: int, seed: int) -> list[list[int]]:
@@ -240,6 +254,28 @@ MODELS = {"llama": (build_tiny_llama, "tiny Llama", 48),
           "gemma3": (build_tiny_gemma3, "tiny Gemma-3 (hybrid: 2 KV cache groups)", 96)}
 
 
+def ttft_table(tokens: int, docs: int) -> tuple[str, bool]:
+    """Time to first token with and without the connector (``kvoffload.impl.testing.ttft``: each way a fresh engine
+    process, no shadow monitor), on a model whose prefill costs time; and whether every hit's first token was
+    recompute's."""
+    from .ttft import build_prefill_llama, medians, mismatches, run_way
+
+    model = build_prefill_llama(Path(".cache/prefill-llama"))
+    runs = {way: run_way(way, model, [tokens], docs, directory=None) for way in ("none", "tier")}
+    ms = {kind.split("/")[0]: f"{seconds * 1e3:.0f} ms" for kind, seconds in medians(runs).items()}
+    rows = [("first ask (nothing cached)", ms["recompute"], ms["recompute_storing"] + " (and stores it)"),
+            ("asked again after a prefix-cache reset", ms["recompute"] + " (recomputed)",
+             ms["cpu_tier"] + " (from the CPU tier)")]
+    width = max(len(row[0]) for row in rows)
+    lines = [f"time to first token: a {tokens}-token document and a short question, one request at a time "
+             f"(random 8-layer Llama, hidden 512; median of {docs}; no shadow monitor)", "",
+             f"  {'':<{width}}  {'without':>22}  with"]
+    lines += [f"  {name:<{width}}  {without:>22}  {with_}" for name, without, with_ in rows]
+    wrong = mismatches(runs)
+    lines += ["", f"first tokens identical with and without: {'yes' if not wrong else 'NO: ' + '; '.join(wrong)}"]
+    return "\n".join(lines), not wrong
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=24)
@@ -250,8 +286,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="gemma3: a hybrid model (sliding-window and full-attention layers), which vLLM runs with "
                              "its hybrid KV cache manager: two KV cache groups")
     parser.add_argument("--model-dir", type=Path, help="where the tiny model is built (default .cache/tiny-MODEL)")
+    parser.add_argument("--ttft-tokens", type=int, default=2048,
+                        help="document length of the time-to-first-token table (0: no table)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    ttft_ok = True
+    if args.ttft_tokens:
+        print("time to first token, without and with the connector...", file=sys.stderr, flush=True)
+        table, ttft_ok = ttft_table(args.ttft_tokens, docs=2)
+        print("\n" + table + "\n", flush=True)
     print("building the tiny model and the engine without the connector...", file=sys.stderr, flush=True)
     build, name, num_gpu_blocks = MODELS[args.model]
     model = build(args.model_dir or Path(f".cache/tiny-{args.model}"))
@@ -273,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"kvoffload demo — vLLM (CPU), {name}, {args.requests} requests x {args.rounds} rounds, "
              f"GPU prefix cache reset between rounds ({time.perf_counter() - start:.0f} s in all)")
     print("\n" + render(summary, title))
-    return 0 if summary.ok else 1
+    return 0 if summary.ok and ttft_ok else 1
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .demo import (build_tiny_llama, connector_config, engine_prompt_tokens, make_llm, run_rounds,
+from .demo import (build_tiny_llama, connector_config, drain, engine_prompt_tokens, make_llm, run_rounds,
                    scheduler_connector, workload)
 
 FIGURES = ("shared_lookups", "shared_got_blocks", "shared_put_blocks", "shared_hits", "shared_stored", "shared_present",
@@ -29,6 +29,7 @@ def serve(model: Path, directory: Path, requests: int, max_tokens: int) -> dict:
     llm = make_llm(model, connector_config(tier_bytes=64 << 20, offload_block_size=32, shared_tier=shared),
                    log_stats=True)
     outputs = run_rounds(llm, workload(requests, seed=0), rounds=1, max_tokens=max_tokens)
+    drain(llm)  # every put counted
     stats = scheduler_connector(llm).stats()
     return {"outputs": outputs, "prompt_tokens": engine_prompt_tokens(llm), **{k: stats[k] for k in FIGURES}}
 

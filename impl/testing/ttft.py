@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .demo import BLOCK_SIZE, connector_config, make_llm, reset_prefix_cache, save_once, scheduler_connector
+from .demo import BLOCK_SIZE, connector_config, drain, make_llm, reset_prefix_cache, save_once, scheduler_connector
 
 PREFILL_LLAMA: dict[str, Any] = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
@@ -61,25 +61,15 @@ def first_token(llm: Any, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - started, done[0].outputs[0].token_ids[0]
 
 
-def drain(llm: Any, seconds: float = 60) -> None:
-    """Step the engine (with a prompt too short to store) until the connector has no transfer in flight: the puts
-    to the shared tier end, and are counted, before the process exits."""
-    offload, deadline = scheduler_connector(llm).offload, time.monotonic() + seconds
-    while offload.unfinished:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(offload.unfinished)} transfers still in flight after {seconds} s")
-        first_token(llm, [1, 2, 3])
-        time.sleep(0.01)
-
-
-def serve(way: str, model: Path, lengths: list[int], docs: int, directory: Path) -> dict[str, Any]:
-    """One way, in this process: for each length, a warm-up document, then ``docs`` measured ones."""
+def serve(way: str, model: Path, lengths: list[int], docs: int, directory: Path | None) -> dict[str, Any]:
+    """One way, in this process: for each length, a warm-up document, then ``docs`` measured ones. With a
+    ``directory``, the connector has a shared tier there too (the CPU tier's stores are put into it)."""
     max_len = max(lengths) + QUESTION + BLOCK_SIZE
     blocks = 2 * (max_len // BLOCK_SIZE) + 16  # two documents' blocks: the GPU prefix cache holds the last one
     connector = None
     if way != "none":
-        shared = {"backend": "fs", "path": str(directory), "bytes": 16 << 30}
-        connector = connector_config(tier_bytes=4 << 30, offload_block_size=BLOCK_SIZE, shared_tier=shared)
+        shared = {"shared_tier": {"backend": "fs", "path": str(directory), "bytes": 16 << 30}} if directory else {}
+        connector = connector_config(tier_bytes=4 << 30, offload_block_size=BLOCK_SIZE, **shared)
     llm = make_llm(model, connector, num_gpu_blocks=blocks, max_model_len=max_len, memory_share=0.4)
     texts = documents(lengths, docs + 1, seed=0)  # the first of each length warms up
     figures: dict[str, Any] = {"seconds": {}, "tokens": {}, "reset_steps": []}
@@ -90,12 +80,12 @@ def serve(way: str, model: Path, lengths: list[int], docs: int, directory: Path)
                 if d:  # not the warm-up
                     figures["seconds"].setdefault(f"{kind}/{n}", []).append(seconds)
                     figures["tokens"][f"{kind}/{n}/{d}"] = token
-    if way == "tier":
+    if way == "tier" and directory:
         drain(llm)
     if connector is not None:
         stats = scheduler_connector(llm).stats()
         figures["stats"] = {k: stats[k] for k in ("hit_tokens", "loaded_blocks", "shared_got_blocks", "shared_hits",
-                                                  "shared_stored", "shared_quarantined")}
+                                                  "shared_stored", "shared_quarantined") if k in stats}
     return figures
 
 
@@ -111,11 +101,11 @@ def _ask(way: str, llm: Any, doc_id: int, doc: list[int], resets: list[int]) -> 
     return {"shared_tier": first_token(llm, doc + question(doc_id, 1))}
 
 
-def run_way(way: str, model: Path, lengths: list[int], docs: int, directory: Path) -> dict[str, Any]:
+def run_way(way: str, model: Path, lengths: list[int], docs: int, directory: Path | None) -> dict[str, Any]:
     """``serve`` in a fresh process (one engine per process, as vLLM runs)."""
     print(f"{way}: a new engine process...", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "kvoffload.impl.testing.ttft", way, str(model), json.dumps(lengths), str(docs),
-           str(directory)]
+           str(directory or "")]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -132,7 +122,7 @@ def mismatches(runs: dict[str, dict[str, Any]]) -> list[str]:
     """Every hit whose first token differs from recompute's for the same prompt."""
     truth, wrong = runs["none"]["tokens"], []
     for way, kind in (("tier", "cpu_tier"), ("shared", "shared_tier")):
-        for key, token in runs[way]["tokens"].items():
+        for key, token in runs.get(way, {"tokens": {}})["tokens"].items():
             length_and_doc = key.removeprefix(f"{kind}/")
             if length_and_doc != key and token != truth[f"recompute/{length_and_doc}"]:
                 wrong.append(f"{key}: token {token}, recompute's {truth[f'recompute/{length_and_doc}']}")
@@ -141,5 +131,5 @@ def mismatches(runs: dict[str, dict[str, Any]]) -> list[str]:
 
 if __name__ == "__main__":  # one way, in this process: python -m kvoffload.impl.testing.ttft WAY MODEL LENGTHS DOCS DIR
     way, model, lengths, docs, directory = sys.argv[1:]
-    result = serve(way, Path(model), json.loads(lengths), int(docs), Path(directory))
+    result = serve(way, Path(model), json.loads(lengths), int(docs), Path(directory) if directory else None)
     print("RESULT " + json.dumps(result), flush=True)

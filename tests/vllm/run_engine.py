@@ -26,7 +26,7 @@ if __name__ == "__main__":
 
     from vllm.config import KVTransferConfig
 
-    from kvoffload.impl.testing.demo import make_llm, run_rounds, scheduler_connector, workload
+    from kvoffload.impl.testing.demo import drain, make_llm, run_rounds, scheduler_connector, workload
 
     config = None
     if args.connector:
@@ -53,6 +53,8 @@ if __name__ == "__main__":
             result |= {"outputs": outputs, "stats_before_reset": before}
         else:
             result = {"outputs": run_rounds(llm, workload(12, seed=1), rounds=args.rounds, max_tokens=8)}
+        if config is not None:
+            drain(llm)  # every transfer reported: the counters are the whole run's
     except Exception as exc:  # noqa: BLE001 - reported to the test, with whatever the connector saw
         result = {"error": f"{type(exc).__name__}: {exc}"}
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
