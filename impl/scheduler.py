@@ -173,20 +173,16 @@ class OffloadScheduler:
         self.shared = SharedStore(open, namespace, payload=0)  # the scheduler side reads no record
 
     def _store_settled(self, shared: SharedStore, state: RequestState, computed: int) -> bool:
-        """The shared store's part of a lookup (False: ask again): one existence check of the keys the tier lacks,
-        then one get of the records that lengthen the hit into reserved tier slots (the hit's entries kept).
-        Settled once the get ends, when nothing needs getting or there is no room, or past the deadline."""
+        """The shared store's part of a lookup (False: ask again): one existence check of the keys a hit could read
+        that the tier lacks, then one get of the records that lengthen the hit into reserved tier slots (the hit's
+        entries kept). Settled once the get ends, when nothing needs getting or there is no room, or past the
+        deadline."""
         lookup = state.store_lookup
         if lookup is None:
-            hashes = state.request.block_hashes
-            if self.grouped:
-                keys = list(dict.fromkeys(group_key(h, g) for g, n in enumerate(self.strides)
-                                          for h in offload_keys(hashes, n)))
-            else:  # one group: its keys are the hashes themselves, and distinct
-                keys = offload_keys(hashes, self.k)
+            keys = self._usable_keys(state.request, computed)
             missing = self.tier.missing(keys)
             if not missing:
-                return True  # the tier holds the whole prompt: no question for the store
+                return True  # the tier holds all a hit could read: no question for the store
             lookup = state.store_lookup = StoreLookup(missing, shared.at().ask(missing))
             self.counters["shared_lookups"] += 1
         if lookup.settled or lookup.get_job is not None:
@@ -196,7 +192,7 @@ class OffloadScheduler:
             self.counters["shared_deadline_misses"] += lookup.settled
             return lookup.settled
         there = lookup.answer.result()
-        if not self._getting and not any(there):  # the common answer: the hit is the tier's own, nothing to wait for
+        if not self._getting and True not in there:  # the common answer: the hit is the tier's own, nothing to wait for
             lookup.settled = True
             return True
         found = {key for key, present in zip(lookup.keys, there) if present}
@@ -221,6 +217,16 @@ class OffloadScheduler:
                 lookup.get_job, lookup.settled = get.job_id, False
         return lookup.settled
 
+    def _usable_keys(self, request: RequestView, computed: int) -> list[Key]:
+        """The keys a hit from ``computed`` could read: past the offload blocks on the GPU, up to the hit's limit."""
+        hashes = request.block_hashes
+        if not self.grouped:  # one group: its keys are the hashes themselves, and distinct
+            size = self.offload_size
+            return offload_keys(hashes, self.k, computed // size, (request.num_tokens - 1) // size)
+        last = min(request.num_tokens - 1, len(hashes) * self.block_size)
+        return list(dict.fromkeys(group_key(h, g) for g, (n, size) in enumerate(zip(self.strides, self.offload_sizes))
+                                  for h in offload_keys(hashes, n, computed // size, last // size)))
+
     def _keys_read(self, hashes: list[int], computed: int, end: int) -> dict[Key, tuple[int, int]]:
         """The keys a load of tokens [computed, end) reads (every group's, but the blocks a window skips), each
         with its block hash and group."""
@@ -237,10 +243,10 @@ class OffloadScheduler:
     def _puts(self) -> list[Transfer]:
         """One put of what the tier stored since the last plan and still holds, pinned until it ends; before this
         plan's stores may evict it."""
-        keys, self._unput = self.tier.ready_of(self._unput), []
+        (keys, slots), self._unput = self.tier.pin_ready(self._unput), []
         if not keys:
             return []
-        k, subs, slots = self.k, range(self.k), self.tier.pin(keys)
+        k, subs = self.k, range(self.k)
         self.counters["shared_put_blocks"] += len(keys) * k
         return [self._new_transfer(None, "put", keys, [(NULL_BLOCK, key, sub) for key in keys for sub in subs],
                                    [slot * k + sub for slot in slots for sub in subs])]

@@ -140,8 +140,7 @@ class ReferenceConnector:
     def _longest_hit(self, request: RequestView, computed: int, has: Callable[[int], bool]) -> int:
         """The end of the longest hit past ``computed`` whose offload blocks ``has`` holds, or 0."""
         step = math.lcm(*self.config.offload_block_sizes)  # a hit ends on an offload block boundary of every group
-        last = min(request.num_tokens - 1, len(request.block_hashes) * self.config.block_size)  # keep one token
-        keys = self._keys(request)
+        last, keys = self._last(request), self._keys(request)
         for end in range(last // step * step, computed, -step):
             if self._serves_every_group(keys, computed, end, has):
                 return end
@@ -159,15 +158,14 @@ class ReferenceConnector:
 
     def _store_part_done(self, request: RequestView, computed: int) -> bool:
         """Whether the shared store has had its say in this request's lookup (False: ask again). Asked once about
-        every key the tier lacks; once answered, the records that lengthen the hit come into reserved tier slots
-        by one get. Done when that get ends, when there is nothing to get or no room for it, or when the store
-        has not answered within the deadline."""
+        every key a hit could read that the tier lacks; once answered, the records that lengthen the hit come into
+        reserved tier slots by one get. Done when that get ends, when there is nothing to get or no room for it, or
+        when the store has not answered within the deadline."""
         lookup = self._store_lookups.get(request.req_id)
         if lookup is None:
-            wanted = dict.fromkeys(group_key(key, g) for g, keys in enumerate(self._keys(request)) for key in keys)
-            missing = [key for key in wanted if not self._in_tier(key)]
+            missing = [key for key in self._usable_keys(request, computed) if not self._in_tier(key)]
             if not missing:
-                return True  # nothing the tier lacks: nothing to ask
+                return True  # nothing a hit could read that the tier lacks: nothing to ask
             lookup = self._store_lookups[request.req_id] = StoreLookup(missing, self._opened_store().ask(missing))
         if lookup.done or lookup.get_job is not None:
             return lookup.done
@@ -191,6 +189,20 @@ class ReferenceConnector:
                 self._being_got |= set(slots)
                 lookup.get_job, lookup.done = get.job_id, False
         return lookup.done
+
+    def _last(self, request: RequestView) -> int:
+        """Where a hit may end at the latest: one token is left to compute, and only hashed blocks are offloaded."""
+        return min(request.num_tokens - 1, len(request.block_hashes) * self.config.block_size)
+
+    def _usable_keys(self, request: RequestView, computed: int) -> list[int]:
+        """Every key a hit from ``computed`` could read: past the offload blocks on the GPU, up to the last one that
+        ends by the hit's limit."""
+        last, usable = self._last(request), dict[int, None]()
+        for g, (keys, size) in enumerate(zip(self._keys(request), self.config.offload_block_sizes)):
+            for j in range(computed // size, last // size):
+                if j < len(keys):
+                    usable[group_key(keys[j], g)] = None
+        return list(usable)
 
     def _keys_read(self, request: RequestView, computed: int, end: int) -> list[int]:
         """The keys a load of tokens [computed, end) copies: not those of the blocks a window skips."""

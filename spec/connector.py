@@ -27,10 +27,10 @@ Scheduler side
     once the cursor passes its end.
   * a shared store (attach_shared_tier; a fleet's engines share it): every entry a store makes ready is put into
     it with the next plan, pinned until the put ends; a waiting request's lookup first asks the store about the
-    keys the tier lacks (once per admission), answers "ask again" (None) until the store answers, gives up once
-    the check is older than ``Config.lookup_deadline`` (the store's clock), and gets the records that lengthen its
-    hit into reserved tier entries, to load from there; a reset moves the engine to its namespace's next epoch,
-    so no older record is ever found.
+    keys a hit could read that the tier lacks (once per admission), answers "ask again" (None) until the store
+    answers, gives up once the check is older than ``Config.lookup_deadline`` (the store's clock), and gets the
+    records that lengthen its hit into reserved tier entries, to load from there; a reset moves the engine to its
+    namespace's next epoch, so no older record is ever found.
 
 Worker side
   * handle_preemptions, the one hook before the forward pass, flushes the plan's ``flush`` list: the preempted
@@ -83,7 +83,7 @@ class SharedLookup:
     """A waiting request's lookup in the shared store, for one admission: one existence check, then at most one get
     of the records it found into the tier. Once settled, the request is answered from the tier alone."""
 
-    keys: list[Key]  # asked about: the request's keys the tier lacks
+    keys: list[Key]  # asked about: the keys a hit could read that the tier lacks
     answer: Answer
     get: int | None = None  # the get in flight for it
     settled: bool = False
@@ -140,9 +140,20 @@ class SpecConnector:
         """The longest hit every group can supply, in tokens, leaving one to compute: offload blocks before
         ``computed`` are on the GPU, the others must be ``present``."""
         sizes, keys = self.config.offload_block_sizes, self._keys(request)
-        limit = min(request.num_tokens - 1, len(request.block_hashes) * self.config.block_size)
-        return longest_hit(self.config.groups, sizes, limit,
+        return longest_hit(self.config.groups, sizes, self._limit(request),
                            lambda g, j: (j + 1) * sizes[g] <= computed or present(group_key(keys[g][j], g)))
+
+    def _limit(self, request: RequestView) -> int:
+        """Where a hit may end at the latest: one token is left to compute, and only hashed blocks are offloaded."""
+        return min(request.num_tokens - 1, len(request.block_hashes) * self.config.block_size)
+
+    def _usable_keys(self, request: RequestView, computed: int) -> list[Key]:
+        """The keys a hit from ``computed`` could read, distinct: each group's offload blocks past those the GPU
+        holds, up to the limit. The shared store is asked about nothing else."""
+        sizes, limit = self.config.offload_block_sizes, self._limit(request)
+        return list(dict.fromkeys(
+            group_key(key, g) for g, n in enumerate(self.config.hashes_per_offload_block)
+            for key in offload_keys(request.block_hashes, n, computed // sizes[g], limit // sizes[g])))
 
     def _in_tier(self, key: Key) -> bool:
         return self.tier.lookup([key]) == 1
@@ -157,19 +168,17 @@ class SpecConnector:
             for i in range(max(computed // size, group.skipped_blocks(end, size)), end // size)))
 
     def _shared_settled(self, request: RequestView, computed: int) -> bool:
-        """The shared store's part of a lookup; False: ask again. The first lookup asks the store about the keys
-        the tier lacks. Once it answers, the records that lengthen the hit are reserved in the tier (with the
-        hit's entries already there, kept) and fetched by one get; the lookup is settled when the get ends, when
-        the hit needs no record, when the tier has no room for them, or when the store missed the deadline
-        (``Config.lookup_deadline`` ticks): a late answer is a miss, never an endless "ask again". A hit that
-        needs a record another request's get is bringing waits for that get (else the engine would compute the
-        prefix for this request while the record is on its way)."""
+        """The shared store's part of a lookup; False: ask again. The first lookup asks the store about the keys a hit
+        could read that the tier lacks. Once it answers, the records that lengthen the hit are reserved in the tier
+        (with the hit's entries already there, kept) and fetched by one get; the lookup is settled when the get ends,
+        when the hit needs no record, when the tier has no room for them, or when the store missed the deadline
+        (``Config.lookup_deadline`` ticks): a late answer is a miss, never an endless "ask again". A hit that needs a
+        record another request's get is bringing waits for that get (else the engine would compute the prefix for this
+        request while the record is on its way)."""
         lookup = self.lookups.get(request.req_id)
         if lookup is None:
-            keys = self._keys(request)
-            missing = [group_key(key, g) for g, group_keys in enumerate(keys) for key in group_keys]
-            missing = [key for key in dict.fromkeys(missing) if not self._in_tier(key)]
-            if not missing:  # the tier has every key: nothing to ask
+            missing = [key for key in self._usable_keys(request, computed) if not self._in_tier(key)]
+            if not missing:  # the tier has every key a hit could read: nothing to ask
                 return True
             lookup = self.lookups[request.req_id] = SharedLookup(missing, self._shared().ask(missing))
         if lookup.settled or lookup.get is not None:

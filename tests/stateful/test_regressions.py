@@ -360,3 +360,30 @@ def test_requests_sharing_a_prefix_all_wait_for_the_one_get_that_brings_it(conne
     assert second.stats["tier_hit_tokens"] == 3 * 8  # every request: its 4 full prompt blocks
     shared = {key for event in first.events if event.medium == "SHARED" for key in event.keys}
     assert shared == {key for _digest, key in store.records}  # the first engine announced each record it put
+
+
+@pytest.mark.parametrize("connector", ["spec", "reference", "production"])
+def test_the_store_is_asked_only_about_blocks_a_hit_could_load(connector, monkeypatch):
+    """A lookup asked the store about every block of the prompt the tier lacked: the blocks the engine's own prefix
+    cache held too, and the last one, which no hit loads (one token is always computed). Each key asked costs the
+    scheduler thread and renews a record's lease for nothing. Now it asks only about the blocks past the GPU's hit,
+    up to the last whole block before the last token. The tier here holds 2 blocks, so the first request's early
+    blocks are on the GPU only."""
+    from kvoffload.impl import OffloadConnector
+    from kvoffload.impl.testing import LayeredKV
+    from kvoffload.reference import ReferenceConnector, TensorKV
+    from kvoffload.spec.store import Store, StoreView
+
+    asked: list[list[int]] = []
+    ask = StoreView.ask
+    monkeypatch.setattr(StoreView, "ask", lambda view, keys: asked.append(list(keys)) or ask(view, keys))
+    make, kv = {"spec": (SpecConnector, ListKV), "reference": (ReferenceConnector, TensorKV),
+                "production": (OffloadConnector, LayeredKV)}[connector]
+    config, prompt = Config(num_gpu_blocks=24, tier_blocks=2), [0, 1, 2, 0, 1, 1, 2, 0]
+    world = World(config, make(config), kv(config.num_gpu_blocks), store=Store(32))
+    first = world.add_request(prompt, 1)
+    world.run_to_completion()
+    world.drain()
+    second = world.add_request(prompt + [2, 2, 1, 1, 0], 1)  # 6 whole blocks, and a token
+    world.run_to_completion()
+    assert asked == [first.block_hashes[:3], second.block_hashes[4:6]]  # the GPU holds 4 blocks of the second
