@@ -27,14 +27,10 @@ class OffloadTier:
         slot = self.slot_of.get(key)
         return slot is not None and bool(self.ready[slot]) and not self.stale[slot]
 
-    # ``is_ready`` over many keys, inlined: a lookup's question for the shared store, a put's entries
+    # ``is_ready`` over many keys, inlined: a lookup's question for the shared store
     def missing(self, keys: list[Key]) -> list[Key]:
         slot_of, ready, stale = self.slot_of, self.ready, self.stale
         return [key for key in keys if (slot := slot_of.get(key)) is None or not ready[slot] or stale[slot]]
-
-    def ready_of(self, keys: list[Key]) -> list[Key]:
-        slot_of, ready, stale = self.slot_of, self.ready, self.stale
-        return [key for key in keys if (slot := slot_of.get(key)) is not None and ready[slot] and not stale[slot]]
 
     def _evictable(self, key: Key) -> bool:
         slot = self.slot_of[key]
@@ -49,12 +45,18 @@ class OffloadTier:
             slots.append(slot)
         return slots
 
-    def pin(self, keys: list[Key]) -> list[int]:
-        """A put into the shared store reads these entries: not evicted until it ends (``unpin``). Their slots."""
-        slots, refs = [self.slot_of[key] for key in keys], self.refs
-        for slot in slots:
-            refs[slot] += 1
-        return slots
+    def pin_ready(self, keys: list[Key]) -> tuple[list[Key], list[int]]:
+        """A put into the shared store reads those of these entries the tier still holds, ready: not evicted until
+        it ends (``unpin``). Those keys, and their slots."""
+        slot_of, ready, stale, refs = self.slot_of, self.ready, self.stale, self.refs
+        held, slots = [], []
+        for key in keys:
+            slot = slot_of.get(key)
+            if slot is not None and ready[slot] and not stale[slot]:
+                refs[slot] += 1
+                held.append(key)
+                slots.append(slot)
+        return held, slots
 
     def unpin(self, keys: list[Key]) -> None:
         """A put ended: its entries may be evicted again (one the tier dropped meanwhile leaves now)."""

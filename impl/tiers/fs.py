@@ -16,8 +16,9 @@ is a miss, counted by its errno, and deletes nothing: other replicas may be read
 
 Capacity is one byte budget for the whole directory, whoever wrote into it: ``reclaim`` counts every namespace's
 records (old epochs included) and deletes the least recently used first. A lookup or a read renews a record's lease
-(its mtime), and no record is reclaimed within ``lease`` seconds of that, so one promised at lookup is still there
-at the load. (A reader that has the file open keeps reading it whatever happens to its name.)
+(its mtime; a lookup's renewal runs on an I/O thread, at most once per ``RENEW_AGAIN``), and no record is reclaimed
+within ``lease`` seconds of that, so one promised at lookup is still there at the load. (A reader that has the file
+open keeps reading it whatever happens to its name.)
 
 Existence checks (``ask``, on the scheduler's thread) are answered at once from an index of the namespace's keys,
 listed at attach, listed again on an I/O thread at most every ``refresh`` seconds (more, if a listing takes long),
@@ -82,6 +83,9 @@ class TimedAnswer:
 
 class FileTier:
     SPOT_LISTING = 0.01  # seconds: a directory listed faster (a few thousand records) is listed on an ask's thread
+    LEASE = 30.0  # seconds: no record used within this long is reclaimed
+    RENEW_EVERY = 0.05  # seconds: found records' leases are renewed this late at most
+    RENEW_AGAIN = LEASE / 6  # seconds: a record found again sooner after its renewal is not renewed again
 
     def __init__(self, root: str | os.PathLike[str], namespace: Namespace, payload_len: int,
                  io_threads: int = 4, refresh: float = 0.5) -> None:
@@ -96,6 +100,8 @@ class FileTier:
         self._listed_at, self._took = 0.0, 0.0  # when the last listing began, and the seconds it took
         self._period, self._refresh, self._listing = refresh, refresh, True
         self._found: list[RecordKey] = []  # records found by asks, their leases not renewed yet
+        self._renewed: set[RecordKey] = set()  # records renewed since ``_renewed_at``: not renewed again till later
+        self._renewed_at = time.monotonic()
         # a batch's records are read and written in parallel: the reads, writes, fsyncs and checksums release the GIL
         self._pool, self._threads = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-fs"), io_threads
         self._attach()
@@ -151,8 +157,10 @@ class FileTier:
             return self._answer(keys)
 
     def _answer(self, keys: Sequence[RecordKey]) -> TimedAnswer:  # under the lock
-        found = [key in self._index for key in keys]
-        self._renew_later([key for key, there in zip(keys, found) if there])
+        index = self._index
+        found = [key in index for key in keys]
+        if True in found:
+            self._renew_later([key for key, there in zip(keys, found) if there])
         return TimedAnswer(found)
 
     def learn(self, keys: Iterable[RecordKey]) -> None:
@@ -195,17 +203,22 @@ class FileTier:
         return keys
 
     def _renew_later(self, keys: list[RecordKey]) -> None:  # under the lock
-        """Leases of records an ask found, renewed on an I/O thread: one wake for every ask until it runs."""
-        if keys:
-            if not self._found:
-                self._pool.submit(self._renew_found)
-            self._found += keys
+        """Leases of records an ask found, renewed on an I/O thread in one batch for the asks of ``RENEW_EVERY``
+        seconds: a wake per ask would take the GIL from the scheduler thread at every lookup."""
+        if not self._found:
+            self._pool.submit(self._renew_found)
+        self._found += keys
 
     def _renew_found(self) -> None:
+        time.sleep(self.RENEW_EVERY)  # the asks meanwhile join this batch
         with self._lock:
             keys, self._found = self._found, []
-        for key in keys:
-            self._renew(self.path(key))
+        if time.monotonic() - self._renewed_at > self.RENEW_AGAIN:
+            self._renewed, self._renewed_at = set(), time.monotonic()
+        for key in dict.fromkeys(keys):  # a shared prefix is found by many asks: renewed once in a while
+            if key not in self._renewed:
+                self._renewed.add(key)
+                self._renew(self.path(key))
 
     def _renew(self, path: Path) -> bool:
         try:
@@ -323,7 +336,7 @@ class FileTier:
     def _budgeted(self, pattern: str) -> Iterable[Path]:
         return self.root.glob(pattern)
 
-    def reclaim(self, budget: int, lease: float = 30.0) -> int:
+    def reclaim(self, budget: int, lease: float = LEASE) -> int:
         """Delete the least recently used records of every namespace under the root (and temporary files a killed
         writer left) until they fit ``budget`` bytes, never one used within ``lease`` seconds; the bytes freed."""
         files = []

@@ -238,6 +238,24 @@ def test_an_ask_renews_the_lease_of_each_record_it_finds(tmp_path):
     eventually(lambda: tier.path(KEY).stat().st_mtime > old + 500, "the lease was never renewed")
 
 
+def test_a_record_found_again_soon_after_its_renewal_is_not_renewed_again(tmp_path):
+    """Every lookup of a shared prefix finds its records: renewing each of them each time would keep an I/O thread
+    busy (and taking the GIL from the scheduler thread) for leases that are far from running out."""
+    tier = FileTier(tmp_path, NS, PAYLOAD)
+    tier.put([(KEY, payload(1))])
+    old = time.time() - 600
+    os.utime(tier.path(KEY), (old, old))
+    tier.ask([KEY])
+    eventually(lambda: tier.path(KEY).stat().st_mtime > old + 500, "the lease was never renewed")
+    os.utime(tier.path(KEY), (old, old))
+    tier.ask([KEY])
+    eventually(lambda: not tier._found, "the renewal never ran")
+    assert tier.path(KEY).stat().st_mtime == old  # renewed a moment ago: left alone
+    tier.RENEW_AGAIN = 0.0
+    tier.ask([KEY])
+    eventually(lambda: tier.path(KEY).stat().st_mtime > old + 500, "the lease was never renewed once due")
+
+
 def test_another_replicas_record_is_found_once_the_directory_is_listed_again(tmp_path):
     mine, theirs = FileTier(tmp_path, NS, PAYLOAD, refresh=0.05), FileTier(tmp_path, NS, PAYLOAD)
     assert mine.ask([KEY]).result(timeout=5) == [False]
