@@ -91,6 +91,27 @@ def test_load_matches_a_plain_copy(shape, dtype, pattern, strategy):
     assert torch.equal(pool.buffer, host)  # a load never writes the host pool
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(("head_dim", "dtype", "word"), [(3, "fp8", torch.uint8), (3, "bf16", torch.int16),
+                                                         (1, "fp32", torch.int32), (4, "bf16", torch.int64)])
+def test_rows_of_any_width_move_as_the_widest_word_that_divides_them(head_dim, dtype, word, strategy):
+    """Copies move rows as 8-, 4-, 2- or 1-byte words, whichever divides every row (a 3-byte row: bytes)."""
+    kv = LayeredKV(NUM_BLOCKS, "mla", block_size=1, heads=1, head_dim=head_dim, dtype=DTYPES[dtype])
+    for block in range(NUM_BLOCKS):
+        kv.write(block, 1000 + block)
+    pool, expected = filled_pool(kv.views), filled_pool(kv.views)
+    copier = Copier(kv.views, pool, strategy)
+    assert {v.dtype for v in copier.views + copier.regions} == {word}
+    blocks, rows = PATTERNS["scattered"]
+    plain_store(kv.views, expected.regions, blocks, rows)
+    planned(copier, "store", blocks, rows)()
+    assert torch.equal(pool.buffer, expected.buffer)
+    for block in blocks:
+        kv.write(block, 0)  # overwritten: the load below must bring each block's bytes back
+    planned(copier, "load", blocks, rows)()
+    assert all(kv.holds(block, 1000 + block) for block in blocks)
+
+
 def test_automatic_choice_on_cpu_is_per_run_copies_for_large_runs_else_indexed():
     kv = filled_kv("kv_first", torch.bfloat16)
     copier = Copier(kv.views, filled_pool(kv.views))
