@@ -399,6 +399,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                               "other")
         self.shadow = ShadowMonitor(self.config, self.offload, self._engine_table) if extra.get("verify") else None
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
+        events = vllm_config.kv_events_config  # off by default: vLLM's own connectors then emit none either
+        self.emits_events = events is not None and events.enable_kv_cache_events
         self.steps = 0
         self._reclaimer: ThreadPoolExecutor | None = None  # the scheduler side keeps the shared tier in its budget
         self._reclaim: Future[int] | None = None
@@ -556,9 +558,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """Tier events as vLLM's, one per KV cache group: the block hashes (vLLM's) and the group."""
+        """Tier events as vLLM's, one per KV cache group: the block hashes (vLLM's) and the group; none unless the
+        engine publishes KV cache events (``kv_events_config``), though the tier's are taken either way."""
         origin, events = self.offload.origin, self.offload.take_events()
-        for event in events:
+        for event in events if self.emits_events else ():
             medium = self.shared.backend.upper() if self.shared and event.medium == SHARED_MEDIUM else event.medium
             by_group: dict[int, list] = {}
             for key in event.keys:  # group 0's key is the hash; a later group's was recorded when it was stored

@@ -76,16 +76,19 @@ def connector_config(**extra):
 
 
 def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log_stats: bool = False,
-             max_model_len: int = 1024, memory_share: float = 0.1):
+             max_model_len: int = 1024, memory_share: float = 0.1, kv_events: bool = False):
     """``log_stats`` turns on vLLM's metrics (``llm.get_metrics()``); its periodic log stays below ERROR.
+    ``kv_events``: the engine publishes KV cache events (to no one: the null publisher).
     ``memory_share``: of the memory node, for the process (weights and KV): vLLM's CPU worker refuses to start if
     the process already holds more."""
     from vllm import LLM
+    from vllm.config import KVEventsConfig
 
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
     return LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=max_model_len,
                num_gpu_blocks_override=num_gpu_blocks, enable_prefix_caching=True, dtype="float32",
                gpu_memory_utilization=memory_share, kv_transfer_config=kv_transfer_config, seed=0,
-               disable_log_stats=not log_stats)
+               disable_log_stats=not log_stats, kv_events_config=events)
 
 
 def scheduler_connector(llm):

@@ -21,6 +21,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reset-connector", action="store_true",
                         help="between rounds, reset the connector too (a weight update)")
+    parser.add_argument("--kv-events", action="store_true", help="the engine publishes KV cache events")
     parser.add_argument("--max-file-bytes", type=int, help="no file may grow past this (as on a full disk: EFBIG)")
     args = parser.parse_args()
 
@@ -33,7 +34,7 @@ if __name__ == "__main__":
         module, cls = args.connector.split(":")
         config = KVTransferConfig(kv_connector=cls, kv_role="kv_both", kv_connector_module_path=module,
                                   kv_connector_extra_config=json.loads(args.extra), kv_load_failure_policy="recompute")
-    llm = make_llm(args.model, config, num_gpu_blocks=args.gpu_blocks)
+    llm = make_llm(args.model, config, num_gpu_blocks=args.gpu_blocks, kv_events=args.kv_events)
     if args.max_file_bytes:  # once the engine is built (it writes its compile caches at start-up)
         import resource
         import signal

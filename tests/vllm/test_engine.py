@@ -27,11 +27,12 @@ def model(tmp_path_factory) -> Path:
 
 
 def run_engine(model: Path, connector: str = "", gpu_blocks: int = 48, rounds: int = 2, reset_connector: bool = False,
-               max_file_bytes: int = 0, **extra) -> dict:
+               max_file_bytes: int = 0, kv_events: bool = False, **extra) -> dict:
     cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_engine.py"), "--model", str(model),
            "--connector", connector, "--extra", json.dumps(extra), "--gpu-blocks", str(gpu_blocks),
            "--rounds", str(rounds), *(["--reset-connector"] if reset_connector else []),
-           *(["--max-file-bytes", str(max_file_bytes)] if max_file_bytes else [])]
+           *(["--max-file-bytes", str(max_file_bytes)] if max_file_bytes else []),
+           *(["--kv-events"] if kv_events else [])]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"engine run failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
@@ -44,10 +45,12 @@ def expected(model) -> list:
 
 
 def test_outputs_identical_and_prefixes_come_back_from_the_tier(model, expected):
-    run = run_engine(model, CONNECTOR, tier_bytes=32 << 20, offload_block_size=32)
+    run = run_engine(model, "tests.vllm.connectors:RecordingEventsConnector", tier_bytes=32 << 20,
+                     offload_block_size=32)
     assert run["outputs"] == expected
     assert run["stats"]["hit_tokens"] > 0 and run["stats"]["loaded_blocks"] > 0
     assert run["stats"]["bytes_loaded"] > 0 and run["stats"]["bytes_stored"] > 0
+    assert run["events"] == []  # the engine publishes no KV cache events (its default): none are built
 
 
 def test_tier_too_small_still_identical(model, expected):
@@ -63,7 +66,7 @@ def test_failing_transfers_still_identical(model, expected):
 
 
 def test_kv_events_carry_medium_cpu(model):
-    run = run_engine(model, "tests.vllm.connectors:RecordingEventsConnector", tier_bytes=32 << 20)
+    run = run_engine(model, "tests.vllm.connectors:RecordingEventsConnector", tier_bytes=32 << 20, kv_events=True)
     kinds = {kind for kind, _medium, _group in run["events"]}
     assert "BlockStored" in kinds
     assert {medium for _kind, medium, _group in run["events"]} == {"CPU"}
@@ -106,7 +109,7 @@ def test_a_hybrid_model_runs_with_the_hybrid_manager_on(gemma3):
     tables) agrees at every step."""
     alone = run_engine(gemma3, gpu_blocks=96)
     assert alone["kv_cache_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"]
-    run = run_engine(gemma3, "tests.vllm.connectors:RecordingEventsConnector", **HYBRID_RUN)
+    run = run_engine(gemma3, "tests.vllm.connectors:RecordingEventsConnector", kv_events=True, **HYBRID_RUN)
     assert run["kv_cache_groups"] == alone["kv_cache_groups"]
     assert run["outputs"] == alone["outputs"]
     assert run["stats"]["hit_tokens"] > 0 and run["stats"]["loaded_blocks"] > 0
