@@ -298,10 +298,11 @@ class OffloadScheduler:
         requests, size, hybrid, windowed = self.requests, self.offload_size, self.hybrid, self.windowed
         for sched in scheduler_output.scheduled:  # the hot loop: most requests only decode a token
             state = requests.get(sched.req_id) or self._state(sched.req_id)
-            if windowed:
+            if windowed and state.unfinished_stores:
                 flush |= self._reading_left_behind(state, sched.num_computed_tokens)
             if hybrid:
-                self._update_tables(state, sched.kind, sched.group_block_ids)
+                if sched.kind != "running" or sched.group_block_ids:  # else no new block in any group
+                    self._update_tables(state, sched.kind, sched.group_block_ids)
             elif sched.kind == "running":
                 if sched.block_ids:
                     state.block_tables[0] += sched.block_ids
@@ -370,22 +371,22 @@ class OffloadScheduler:
             return None
         state.cursor = full
         k, tables, hashes = self.k, state.block_tables, state.request.block_hashes
-        offered = []  # (offload block of its group, group, hash of its last block)
+        kept = [self._left_behind(g, computed) for g in range(len(self.ratios))]  # a group's first block still held
+        offered = []  # (offload block of its group, group, hash of its last block, its key)
         for end in range(first + 1, full + 1):
             for g, ratio in enumerate(self.ratios):
                 j = end // ratio - 1
-                if not end % ratio and j * k >= self._left_behind(g, computed) \
-                        and NULL_BLOCK not in tables[g][j * k:j * k + k]:
-                    offered.append((j, g, hashes[key_index(j, self.strides[g])]))
-        slots = self.tier.prepare_store([group_key(h, g) for _j, g, h in offered],
+                if not end % ratio and j * k >= kept[g] and NULL_BLOCK not in tables[g][j * k:j * k + k]:
+                    block_hash = hashes[key_index(j, self.strides[g])]
+                    offered.append((j, g, block_hash, group_key(block_hash, g)))
+        slots = self.tier.prepare_store([key for _j, _g, _h, key in offered],
                                         refuse=state.request.req_id in self.refusing)
         if slots is None:  # refused: this request only
             self.refusing.discard(state.request.req_id)
         if not slots:
             return None
         copies, host_rows = [], []
-        for j, g, block_hash in offered:
-            key = group_key(block_hash, g)
+        for j, g, block_hash, key in offered:
             slot = slots.get(key)
             if slot is not None:
                 if g:

@@ -365,13 +365,21 @@ class BlockTables:
 
     def batch(self, so: Any) -> SchedulerOutput:
         """vLLM's SchedulerOutput as ours: running (and resumed) requests first, then new ones."""
-        cached = so.scheduled_cached_reqs
-        scheduled = [self.scheduled(req_id, "resumed" if req_id in cached.resumed_req_ids else "running", ids, computed,
-                                    so.num_scheduled_tokens[req_id])
-                     for req_id, ids, computed in zip(cached.req_ids, cached.new_block_ids,
-                                                      cached.num_computed_tokens)]
+        cached, counts = so.scheduled_cached_reqs, so.num_scheduled_tokens
+        resumed = cached.resumed_req_ids
+        running = zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)
+        if self.hybrid or self.windowed:
+            scheduled = [self.scheduled(req_id, "resumed" if req_id in resumed else "running", ids, computed,
+                                        counts[req_id]) for req_id, ids, computed in running]
+        else:  # the hot path, a tuple per running request per step: one group's new blocks, built inline (and
+            # by tuple.__new__, without the named tuple's Python-level constructor)
+            scheduled = [tuple.__new__(ScheduledRequest, (req_id, "running", (tuple(ids[0]) or None) if ids is not None
+                                                          else None, computed, counts[req_id], None))
+                         if req_id not in resumed
+                         else self.scheduled(req_id, "resumed", ids, computed, counts[req_id])
+                         for req_id, ids, computed in running]
         scheduled += [self.scheduled(new.req_id, "new", new.block_ids, new.num_computed_tokens,
-                                     so.num_scheduled_tokens[new.req_id]) for new in so.scheduled_new_reqs]
+                                     counts[new.req_id]) for new in so.scheduled_new_reqs]
         return SchedulerOutput(0, tuple(scheduled), frozenset(so.preempted_req_ids or ()),
                                frozenset(so.finished_req_ids))
 
