@@ -6,7 +6,8 @@ from typing import Any
 
 from kvoffload.spec.config import Config
 from kvoffload.spec.records import Namespace
-from kvoffload.spec.types import GROUPS, OBSERVE, REFUSE_STORE, RESET, SHARED, TRANSFER_FAILURES, Observation
+from kvoffload.spec.types import (FENCED_FREES, GROUPS, OBSERVE, REFUSE_STORE, RESET, SHARED, TRANSFER_FAILURES,
+                                  Observation)
 
 from .scheduler import OffloadScheduler
 from .shared import SHARED_COUNTERS, Opener
@@ -14,7 +15,7 @@ from .worker import OffloadWorker
 
 
 class OffloadConnector(OffloadScheduler, OffloadWorker):
-    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET, GROUPS, SHARED})
+    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET, GROUPS, SHARED})
 
     def __init__(self, config: Config) -> None:
         OffloadScheduler.__init__(self, config)

@@ -83,7 +83,6 @@ class OffloadScheduler:
         self.num_workers = config.num_workers
         self.unfinished: dict[int, Transfer] = {}  # built, not yet reported by every worker
         self._pending_loads: list[Transfer] = []  # for the next plan
-        self._delayed: set[str] = set()  # request_finished delayed their free since the last plan
         self._flush_next: set[int] = set()  # stores reading blocks freed at a finish, for the next plan
         self.refusing: set[str] = set()  # fault injection: the tier refuses these requests' next store
         self.origin: dict[int, tuple[int, int]] = {}  # a later group's tier key -> (block hash, group): for events
@@ -284,9 +283,8 @@ class OffloadScheduler:
         return transfer
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
-        plan = TransferPlan(self._pending_loads, delayed=frozenset(self._delayed), gets=self._pending_gets,
-                            puts=self._puts() if self._unput else [])
-        flush, self._pending_loads, self._delayed, self._flush_next = self._flush_next, [], set(), set()
+        plan = TransferPlan(self._pending_loads, gets=self._pending_gets, puts=self._puts() if self._unput else [])
+        flush, self._pending_loads, self._flush_next = self._flush_next, [], set()
         self._pending_gets = []
         preempted = scheduler_output.preempted_req_ids
         if preempted:  # their stores finish before the forward pass may write their blocks for someone else
@@ -444,13 +442,10 @@ class OffloadScheduler:
         state = self._state(request.req_id)
         del self.requests[request.req_id]
         self.refusing.discard(request.req_id)
-        if state.unfinished_stores:  # stores still read its blocks (a load in flight: the engine holds them itself)
-            self._delayed.add(request.req_id)
-            if self.windowed:  # the engine freed a window's blocks as it finished: their stores flush before reuse
-                held = {b for table in self._tables(block_ids) for b in table}
-                self._flush_next |= {t.job_id for t in self.unfinished.values() if t.req_id == request.req_id
-                                     and t.kind == "store" and not held.issuperset(t.gpu_blocks)}
-        return state.unfinished_stores > 0
+        if state.unfinished_stores:  # they still read its blocks, which the engine frees now: flushed before reuse
+            self._flush_next |= {t.job_id for t in self.unfinished.values()
+                                 if t.req_id == request.req_id and t.kind == "store"}
+        return False
 
     def reset_cache(self) -> bool:
         """After a weight update: nothing stored so far may be served again, and the engine moves to its

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, Callable
 
 import numpy as np
@@ -24,8 +23,6 @@ class OffloadWorker:
         self.io: Any = None  # runs puts and gets (the engine's executor where one is given, else I/O threads)
         self.worker_store: SharedStore | None = None  # this shard's records in the shared store, once attached
         self.submitted: dict[int, Transfer] = {}  # submitted, not yet polled
-        self.pending: Counter[str] = Counter()  # request -> transfers submitted, not yet reported
-        self.draining: set[str] = set()  # finished requests whose transfers have not all completed
         self.load_errors: set[int] = set()  # GPU blocks of failed loads, not yet reported
         self.bytes = {"store": 0, "load": 0, "put": 0, "get": 0}
 
@@ -53,7 +50,6 @@ class OffloadWorker:
             self.executor.flush(set(metadata.flush))
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
-        self.draining |= metadata.delayed
         for load in metadata.loads:
             self._submit(load)
         for get in metadata.gets:
@@ -70,7 +66,6 @@ class OffloadWorker:
         self.copier.check(blocks)
         run = self.copier.plan(transfer.kind, blocks, np.asarray(transfer.host_rows, dtype=np.int64))
         self.submitted[transfer.job_id] = transfer
-        self.pending[transfer.req_id] += 1
         self.executor.submit(Job(transfer.job_id, transfer.req_id, transfer.kind, tuple(transfer.copies), run))
 
     def _submit_record_copy(self, transfer: Transfer) -> None:
@@ -92,7 +87,6 @@ class OffloadWorker:
                 if success:
                     self.bytes[transfer.kind] += len(transfer.copies) * self.copier.pool.row_bytes
                 continue
-            self._forget(transfer)
             if transfer.kind == "load":
                 recving.add(transfer.req_id)
                 if not success and self.config.hybrid:  # vLLM takes no block ids then: the whole request
@@ -101,14 +95,7 @@ class OffloadWorker:
                     self.load_errors.update(transfer.gpu_blocks)
             if success:
                 self.bytes[transfer.kind] += len(transfer.copies) * self.copier.pool.row_bytes
-        sending = {r for r in self.draining if not self.pending[r]}
-        self.draining -= sending
-        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results), frozenset(failed_recving))
-
-    def _forget(self, transfer: Transfer) -> None:
-        self.pending[transfer.req_id] -= 1
-        if not self.pending[transfer.req_id]:
-            del self.pending[transfer.req_id]
+        return WorkerOutput(frozenset(), frozenset(recving), tuple(results), frozenset(failed_recving))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

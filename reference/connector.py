@@ -1,6 +1,6 @@
 """The reference connector: vLLM's offloading connector written plainly, both sides in one class.
 
-The scheduler side decides (lookups, loads, stores, delayed frees) and hands the worker a ``TransferPlan`` per
+The scheduler side decides (lookups, loads, stores, fenced frees) and hands the worker a ``TransferPlan`` per
 step; the worker side copies rows between the engine's KV tensor and one host tensor, on the executor the
 engine gives it. Read it next to ``kvoffload.spec.connector``: every decision there has one home here.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Callable
 
 import torch
@@ -18,7 +18,7 @@ from attrs import define, evolve
 from kvoffload.spec.config import BlockIdError, Config, ConfigError, UnknownRequestError, registered
 from kvoffload.spec.records import Namespace
 from kvoffload.spec.store import Answer, SharedTier
-from kvoffload.spec.types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, SHARED, SHARED_MEDIUM,
+from kvoffload.spec.types import (FENCED_FREES, GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, SHARED, SHARED_MEDIUM,
                                   TRANSFER_FAILURES, BlockIds, Copy, Event, Job, Observation, RequestView,
                                   SchedulerOutput, TransferKind, TransferPlan, WorkerOutput, group_key, offload_keys)
 from kvoffload.spec.executor import Executor
@@ -75,7 +75,7 @@ class StoreLookup:
 
 
 class ReferenceConnector:
-    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET, GROUPS, SHARED})
+    capabilities = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET, GROUPS, SHARED})
     tier_class = LRUTier
 
     def __init__(self, config: Config) -> None:
@@ -91,7 +91,6 @@ class ReferenceConnector:
         self._unfinished: dict[int, Transfer] = {}  # built, not yet reported by every worker
         self._reports: defaultdict[int, list[bool]] = defaultdict(list)  # job id -> each worker's success so far
         self._pending_loads: list[Transfer] = []  # for the next plan
-        self._delayed: set[str] = set()  # request_finished delayed their free since the last plan
         self._flush_next: set[int] = set()  # stores reading blocks freed at a finish, for the next plan
         self.refusing: set[str] = set()  # fault injection: the tier refuses these requests' next store
         self._job_ids = itertools.count()
@@ -108,7 +107,6 @@ class ReferenceConnector:
         self._gpu: torch.Tensor | None = None
         self._host: torch.Tensor | None = None
         self._submitted: dict[int, Transfer] = {}
-        self._draining: set[str] = set()  # finished requests whose transfers have not all completed
         self._load_errors: set[int] = set()  # GPU blocks of failed loads, not yet reported
 
     # ================= scheduler side =================
@@ -242,10 +240,9 @@ class ReferenceConnector:
         return transfer
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
-        plan = TransferPlan(loads=self._pending_loads, delayed=frozenset(self._delayed), gets=self._pending_gets,
-                            puts=self._plan_puts())
+        plan = TransferPlan(loads=self._pending_loads, gets=self._pending_gets, puts=self._plan_puts())
         flush = self._flush_next | self._stores_of(scheduler_output.preempted_req_ids)
-        self._pending_loads, self._delayed, self._flush_next, self._pending_gets = [], set(), set(), []
+        self._pending_loads, self._flush_next, self._pending_gets = [], set(), []
         for req_id in scheduler_output.preempted_req_ids:
             if req_id in self._block_tables:  # else it finished since it was preempted
                 self._block_tables[req_id] = [[] for _ in self.groups]
@@ -268,7 +265,8 @@ class ReferenceConnector:
         return [self._new_transfer("", "put", [(NULL_BLOCK, key, sub) for key in keys for sub in range(k)], rows)]
 
     def _stores_of(self, req_ids: frozenset[str]) -> set[int]:
-        """The unfinished stores of these requests (preempted: they finish before their blocks are reused)."""
+        """The unfinished stores of these requests (preempted or finished: they finish before their blocks are
+        reused)."""
         return {t.job_id for t in self._unfinished.values() if t.kind == "store" and t.req_id in req_ids}
 
     def _collect_stores(self, scheduler_output: SchedulerOutput, plan: TransferPlan) -> set[int]:
@@ -377,13 +375,7 @@ class ReferenceConnector:
         self._block_tables.pop(req_id, None)
         self._cursors.pop(req_id, None)
         self.refusing.discard(req_id)
-        stores = [t for t in self._unfinished.values() if t.req_id == req_id and t.kind == "store"]
-        held = {b for table in self._tables(block_ids) for b in table}
-        # a window freed the blocks it no longer holds as it finished: its stores of them finish before reuse
-        self._flush_next |= {t.job_id for t in stores if any(b not in held for b, _key, _sub in t.copies)}
-        if stores:
-            self._delayed.add(req_id)  # stores still read its blocks
-            return True
+        self._flush_next |= self._stores_of(frozenset({req_id}))  # the engine frees its blocks now
         return False
 
     def reset_cache(self) -> bool:
@@ -433,7 +425,6 @@ class ReferenceConnector:
         self.executor.flush(set(metadata.flush))  # before the forward pass may write their blocks
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
-        self._draining |= metadata.delayed
         for transfer in metadata.loads + metadata.gets:
             self._submit(transfer)
 
@@ -481,12 +472,10 @@ class ReferenceConnector:
         return run
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:
-        pending = Counter(t.req_id for t in self._submitted.values())
         results = self.executor.poll()
         recving, failed_recving = set(), set()
         for job_id, success in results:
             transfer = self._submitted.pop(job_id)
-            pending[transfer.req_id] -= 1
             if transfer.kind == "load":
                 recving.add(transfer.req_id)
                 if success:
@@ -495,9 +484,7 @@ class ReferenceConnector:
                     failed_recving.add(transfer.req_id)
                 else:
                     self._load_errors.update(b for b, _key, _sub in transfer.copies)
-        sending = {r for r in self._draining if pending[r] == 0}
-        self._draining -= sending
-        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results), frozenset(failed_recving))
+        return WorkerOutput(frozenset(), frozenset(recving), tuple(results), frozenset(failed_recving))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

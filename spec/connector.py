@@ -9,9 +9,11 @@ Scheduler side
     ``RequestView``; the key rule is ``key_index``), from the request's store cursor on. A refused store skips
     *that request only*; the cursor still moves past what was offered.
   * preemption and resumption rewind the cursor to 0 (prepare_store skips what is really stored).
-  * request_finished: delay the free iff the request has a store in flight (a load in flight keeps the blocks
-    anyway: the engine waits for finished_recving); forget the request either way. The next step's metadata names
-    the delayed requests, so the worker knows which ones to report when drained.
+  * request_finished: never delay the free (FENCED_FREES); forget the request, and name its stores still in
+    flight in the next plan's ``flush``, so that they finish before the forward pass that may write its blocks for
+    another request. The engine frees the blocks at once: a reset right after the last request finished is granted,
+    and the blocks serve the next requests a step earlier. (A load in flight keeps its blocks anyway: the engine
+    waits for finished_recving.)
   * a transfer is complete once every worker reported it (tensor parallelism: each holds a shard of every block);
     it succeeded only if every worker's part did. A failed load makes its entries stale (never offered again).
   * reset_cache (a weight update): every entry goes stale; stores in flight never become loadable.
@@ -33,11 +35,11 @@ Scheduler side
     namespace's next epoch, so no older record is ever found.
 
 Worker side
-  * handle_preemptions, the one hook before the forward pass, flushes the plan's ``flush`` list: the preempted
-    requests' stores, and the stores reading blocks a window freed, before the pass may write those blocks;
+  * handle_preemptions, the one hook before the forward pass, flushes the plan's ``flush`` list: the stores of
+    preempted and finished requests, and the stores reading blocks a window freed, before the pass may write those
+    blocks;
   * loads (and gets) are submitted in start_load_kv, stores (and puts) in wait_for_save (both after the forward
     pass wrote the blocks); a get lands all of its records, each checked by the store, or none;
-  * a delayed request drains: it is reported in finished_sending once its transfers completed;
   * a failed load's GPU blocks are reported by get_block_ids_with_load_errors; with several KV cache groups, its
     request is reported in ``failed_recving`` instead (a block id does not say which group's block failed).
 """
@@ -56,9 +58,9 @@ from .groups import longest_hit
 from .records import Namespace
 from .store import Answer, SharedTier
 from .tier import Tier
-from .types import (GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, SHARED, SHARED_MEDIUM, TRANSFER_FAILURES,
-                    BlockIds, Copy, Event, Job, Key, Observation, RequestView, SchedulerOutput, TransferKind,
-                    TransferPlan, WorkerOutput, group_key, offload_keys)
+from .types import (FENCED_FREES, GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, SHARED, SHARED_MEDIUM,
+                    TRANSFER_FAILURES, BlockIds, Copy, Event, Job, Key, Observation, RequestView, SchedulerOutput,
+                    TransferKind, TransferPlan, WorkerOutput, group_key, offload_keys)
 from .executor import Executor
 from .memory import ListKV
 
@@ -91,8 +93,8 @@ class SharedLookup:
 
 @define
 class SpecConnector:
-    capabilities: ClassVar[frozenset[str]] = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, RESET, GROUPS,
-                                                        SHARED})
+    capabilities: ClassVar[frozenset[str]] = frozenset({OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET,
+                                                        GROUPS, SHARED})
     config: Config
     tier: Tier = field()
     requests: dict[str, RequestView] = field(factory=dict)
@@ -102,7 +104,6 @@ class SpecConnector:
     reports: Counter[int] = field(factory=Counter)  # job id -> workers that reported it
     failed: set[int] = field(factory=set)  # transfers some worker reported as failed
     pending_loads: list[Transfer] = field(factory=list)  # for the next plan
-    delayed: set[str] = field(factory=set)  # request_finished delayed their free since the last plan
     flush_next: set[int] = field(factory=set)  # stores reading blocks freed at a finish, for the next plan
     refusing: set[str] = field(factory=set)  # fault injection: the tier refuses these requests' next store
     next_job_id: int = 0
@@ -119,7 +120,6 @@ class SpecConnector:
     _executor: Executor | None = None
     tier_bytes: dict[tuple[Key, int], int] = field(factory=dict)  # (key, GPU block index in it) -> content
     submitted: dict[int, Transfer] = field(factory=dict)  # worker's view: submitted, not yet polled
-    draining: set[str] = field(factory=set)  # finished requests whose transfers have not all completed
     load_errors: set[int] = field(factory=set)  # GPU blocks of failed loads, not yet reported
 
     @tier.default
@@ -230,11 +230,11 @@ class SpecConnector:
             self.pending_loads.append(load)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:
-        meta = TransferPlan(self.pending_loads, [], frozenset(self.delayed), self.pending_gets, self._puts())
+        meta = TransferPlan(self.pending_loads, gets=self.pending_gets, puts=self._puts())
         preempted = scheduler_output.preempted_req_ids
         flush = self.flush_next | {t.job_id for t in self.unfinished.values() if t.req_id in preempted
                                    and t.kind == "store"}
-        self.pending_loads, self.delayed, self.flush_next = [], set(), set()
+        self.pending_loads, self.flush_next = [], set()
         self.pending_gets = []
         for req_id in preempted & self.block_tables.keys():  # it may have finished since
             self.block_tables[req_id], self.cursors[req_id] = self._tables(None), 0
@@ -334,19 +334,15 @@ class SpecConnector:
                 self.tier.events.append(Event("stored", tuple(transfer.keys), SHARED_MEDIUM))
 
     def request_finished(self, request: RequestView, block_ids: BlockIds) -> bool:
-        """Delay the free while a store reads the blocks; a store reading a block the request no longer holds (a
-        window freed it as the request finished) is flushed with the next plan, before that block is reused."""
+        """Free now: the stores still reading the request's blocks are flushed with the next plan, before the engine
+        may reuse those blocks (it frees them at once, and a window's as the request finishes)."""
         self._known(request.req_id)
         for state in (self.requests, self.block_tables, self.cursors, self.lookups):
             state.pop(request.req_id, None)
         self.refusing.discard(request.req_id)
-        held = {b for table in self._tables(block_ids) for b in table}
-        stores = [t for t in self.unfinished.values() if t.req_id == request.req_id and t.kind == "store"]
-        self.flush_next |= {t.job_id for t in stores if any(b not in held for b, _k, _s in t.copies)}
-        delay = bool(stores)
-        if delay:
-            self.delayed.add(request.req_id)
-        return delay
+        self.flush_next |= {t.job_id for t in self.unfinished.values()
+                            if t.req_id == request.req_id and t.kind == "store"}
+        return False
 
     def reset_cache(self) -> bool:
         """Every entry goes stale, and the engine moves to its namespace's next epoch: no record written before
@@ -394,7 +390,6 @@ class SpecConnector:
         self.executor.flush(set(metadata.flush))
 
     def start_load_kv(self, metadata: TransferPlan) -> None:
-        self.draining |= metadata.delayed
         for load in metadata.loads:
             self._submit(load, partial(self._copy_in, load))
         for get in metadata.gets:
@@ -445,10 +440,8 @@ class SpecConnector:
         else:  # its blocks: the engine keeps the valid prefix
             failed_recving = set()
             self.load_errors |= {b for t in failed for b, _k, _s in t.copies}
-        busy = {t.req_id for t in self.submitted.values()}
-        sending, self.draining = self.draining - busy, self.draining & busy
         recving = {t.req_id for t in done if t.kind == "load"}
-        return WorkerOutput(frozenset(sending), frozenset(recving), tuple(results), frozenset(failed_recving))
+        return WorkerOutput(frozenset(), frozenset(recving), tuple(results), frozenset(failed_recving))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

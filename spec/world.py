@@ -38,7 +38,7 @@ from collections import Counter, deque
 from math import lcm
 from typing import Iterator, cast
 
-from attrs import define, field
+from attrs import Factory, define, field
 
 from . import invariants
 from .config import Config
@@ -48,7 +48,7 @@ from .memory import PARTIAL, BlockPool
 from .records import Namespace
 from .requests import Request, State, continuation, extend_block_hashes, kv_content
 from .store import Store
-from .types import (CONNECTOR_METHODS, NULL_BLOCK, Connector, Event, GpuKV, Grouped, Job, Observable,
+from .types import (CONNECTOR_METHODS, FENCED_FREES, NULL_BLOCK, Connector, Event, GpuKV, Grouped, Job, Observable,
                     Observation, Resettable, ScheduledRequest, SchedulerOutput, Shareable, WorkerOutput, group_key,
                     key_index)
 
@@ -73,7 +73,9 @@ class World:
     executor: Executor = field(factory=Executor)  # worker 0's
     pool: BlockPool = field()
     observable: bool = False  # the connector has observe(): check TRACK, REF, CURSOR too
-    fenced: bool = False  # the connector frees under in-flight stores and flushes before reuse (types.FENCED_FREES)
+    # the connector frees under in-flight stores and flushes them before reuse (it declares types.FENCED_FREES)
+    fenced: bool = field(default=Factory(lambda world: FENCED_FREES in getattr(world.connector, "capabilities", ()),
+                                         takes_self=True))
     grouped: bool = False  # the connector takes one block table per KV cache group (types.GROUPS)
     store: Store | None = None  # the store this engine's fleet shares (the connector declared SHARED)
     identity: int = 0  # the engine's model (0: the default one): engines of other identities compute other KV

@@ -96,9 +96,10 @@ def scheduler_connector(llm):
 
 
 def reset_prefix_cache(llm: Any, most_steps: int = 100) -> int:
-    """``LLM.reset_prefix_cache()``, checked: vLLM refuses it while a finished request's blocks are still held
-    (our connector delays their free until its stores end, and offline vLLM releases them only at the next engine
-    step), so the engine is stepped until it succeeds. Returns the steps it took; raises if it never does."""
+    """``LLM.reset_prefix_cache()``, checked: vLLM refuses it while any request's blocks are still held (a
+    connector that delays a finished request's free until its stores end has them released, offline, only at the
+    next engine step; ours frees at once), so the engine is stepped until it succeeds. Returns the steps it took;
+    raises if it never does."""
     for steps in range(most_steps + 1):
         if llm.reset_prefix_cache():
             return steps

@@ -2,24 +2,73 @@
 
 from attrs import evolve
 
-from kvoffload.spec import CONNECTOR_METHODS, Config, SpecConnector
+from kvoffload.spec import CONNECTOR_METHODS, FENCED_FREES, Config, SpecConnector
 from kvoffload.spec.kit import Scenario
 
 # Stores in flight at finishes (delay), a tier small enough to refuse, failures on.
 SCENARIO = Scenario(Config(num_gpu_blocks=12, tier_blocks=3, prefix_caching=False), delay=2, failures=True)
 
 
-class ForgetsDelayedFrees(SpecConnector):
+class ForgetsTheFence(SpecConnector):
+    """Frees at once, as the spec connector does, but never flushes the stores still reading the blocks."""
+
+    def request_finished(self, request, block_ids):
+        flush = set(self.flush_next)
+        super().request_finished(request, block_ids)
+        self.flush_next = flush  # the engine reuses blocks a store still reads
+        return False
+
+
+class DelaysFrees(SpecConnector):
+    """The other free protocol vLLM offers (its 0.11 connector's): ``request_finished`` delays the free while a
+    store reads the request's blocks, the next plan names the request, and the worker reports it in
+    ``finished_sending`` once its transfers drained."""
+
+    capabilities = SpecConnector.capabilities - {FENCED_FREES}
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.delayed: set[str] = set()  # since the last plan
+        self.draining: set[str] = set()  # worker side: delayed, transfers not all completed
+
+    def request_finished(self, request, block_ids):
+        stores = [t for t in self.unfinished.values() if t.req_id == request.req_id and t.kind == "store"]
+        flush = set(self.flush_next)
+        super().request_finished(request, block_ids)
+        held = {b for table in self._tables(block_ids) for b in table}  # a window's were freed before the call
+        self.flush_next = flush | {t.job_id for t in stores if any(b not in held for b, _k, _s in t.copies)}
+        if stores:
+            self.delayed.add(request.req_id)
+        return bool(stores)
+
+    def build_connector_meta(self, scheduler_output):
+        plan = super().build_connector_meta(scheduler_output)
+        plan.delayed, self.delayed = frozenset(self.delayed), set()
+        return plan
+
+    def start_load_kv(self, metadata):
+        self.draining |= metadata.delayed
+        super().start_load_kv(metadata)
+
+    def get_finished(self, finished_req_ids):
+        output = super().get_finished(finished_req_ids)
+        busy = {t.req_id for t in self.submitted.values()}
+        sending, self.draining = self.draining - busy, self.draining & busy
+        return evolve(output, finished_sending=frozenset(sending))
+
+
+class ForgetsDelayedFrees(DelaysFrees):
     def request_finished(self, request, block_ids):
         super().request_finished(request, block_ids)
         return False  # the engine reuses blocks a store still reads
 
 
 class Undeclared:
-    """The spec connector behind nothing but the connector method set: it declares no capabilities."""
+    """The spec connector (delaying frees, the protocol a connector that declares nothing follows) behind nothing
+    but the connector method set: it declares no capabilities."""
 
     def __init__(self, config: Config) -> None:
-        inner = SpecConnector(config)
+        inner = DelaysFrees(config)
         for name in CONNECTOR_METHODS:
             setattr(self, name, getattr(inner, name))
 
@@ -31,7 +80,7 @@ class RaisesAtFinish(SpecConnector):
         raise IndexError("slot out of range")
 
 
-class DelaysEveryFree(SpecConnector):
+class DelaysEveryFree(DelaysFrees):
     """Cautious, and safe: every free is delayed, whether or not a store is in flight, and each delayed request is
     reported in finished_sending only ``HOLD`` polls after its stores drained."""
 
@@ -55,7 +104,7 @@ class DelaysEveryFree(SpecConnector):
         return evolve(output, finished_sending=frozenset(sending))
 
 
-class NeverReleases(SpecConnector):
+class NeverReleases(DelaysFrees):
     """Unsafe in no step, but a delayed free that is never reported: the blocks never return to the engine."""
 
     def get_finished(self, finished_req_ids):

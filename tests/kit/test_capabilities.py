@@ -9,7 +9,7 @@ from kvoffload.spec.groups import Group
 from kvoffload.spec.kit import Scenario, SkippedRule, capabilities_of, make_machine, run_conformance
 from kvoffload.spec.kit.scenario import NEEDS, skipped_by
 
-from .connectors import SCENARIO, Undeclared
+from .connectors import SCENARIO, DelaysFrees, Undeclared
 
 
 def test_undeclared_capabilities_are_skipped_with_reasons():
@@ -25,7 +25,8 @@ def test_undeclared_capabilities_are_skipped_with_reasons():
 
 
 def test_a_full_adapter_exercises_every_rule():
-    coverage = run_conformance(SpecConnector, SCENARIO, profile="pr", max_examples=30)
+    """The spec connector with the other free protocol (delayed frees): every rule and every check runs."""
+    coverage = run_conformance(DelaysFrees, SCENARIO, profile="pr", max_examples=30)
     assert coverage.skipped == {}
     assert coverage.never_held() == []
     assert all(coverage.rules[r] > 0 for r in ("add_requests", "step", "abort", "reset_prefix_cache",
@@ -63,7 +64,7 @@ def test_unknown_or_unbacked_capabilities_are_errors():
 def test_what_the_scenario_turns_off_is_reported_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        coverage = run_conformance(SpecConnector, Scenario(), profile="pr", max_examples=5)
+        coverage = run_conformance(DelaysFrees, Scenario(), profile="pr", max_examples=5)
     assert set(coverage.off) == {"advance_transfers", "fail_next_transfer"} and not coverage.skipped
     assert "off:        advance_transfers: the scenario completes transfers at submit (delay=0)" in str(coverage)
 

@@ -36,9 +36,9 @@ def test_a_broken_connector_fails_with_a_readable_report():
     with pytest.raises(Violation) as failure:
         exec(compile(examples()[1], str(PAGE), "exec"), scope)
     report = str(failure.value)
-    assert report.startswith(f"[kvoffload spec {SPEC_VERSION}] safety · FINISH: request r")
-    assert "delay=False" in report and "store(s) in flight" in report
-    assert f"[kvoffload spec {SPEC_VERSION}] safety · FINISH: request r0" in PAGE.read_text()  # the page's version
+    assert report.startswith(f"[kvoffload spec {SPEC_VERSION}] safety · SRC: step ")
+    assert "written by the forward pass while store job" in report
+    assert f"[kvoffload spec {SPEC_VERSION}] safety · SRC: step " in PAGE.read_text()  # the page's version
 
 
 def test_the_fifo_connector_passes_in_the_gpu_engine_modes():

@@ -18,9 +18,11 @@ def fifo_connector(config: Config) -> SpecConnector:
     return SpecConnector(config, tier=Tier(config.tier_blocks, FIFO()))
 
 
-class ForgetsDelayedFrees(SpecConnector):
+class ForgetsTheFence(SpecConnector):
     def request_finished(self, request, block_ids):
+        flush = set(self.flush_next)
         super().request_finished(request, block_ids)
+        self.flush_next = flush
         return False
 '''
 
@@ -63,12 +65,12 @@ def test_fifo_connector_on_a_slow_machine(kvoffload_conformance):
 
 TEST_BROKEN = '''
 import pytest
-from my_connectors import ForgetsDelayedFrees
+from my_connectors import ForgetsTheFence
 
 
 @pytest.fixture
 def kvoffload_adapter():
-    return ForgetsDelayedFrees
+    return ForgetsTheFence
 
 
 def test_broken_connector(kvoffload_conformance):
@@ -81,7 +83,8 @@ def test_the_plugin_runs_the_kit_and_writes_a_trace_that_replays(pytester):
     pytester.makeconftest(CONFTEST)
     result = pytester.runpytest_subprocess("--kvoffload-profile=mutation", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3, failed=1)
-    result.stdout.fnmatch_lines(["*FINISH: request r* delay=False*", "*replay: python -m kvoffload.spec.kit.trace*",
+    result.stdout.fnmatch_lines(["*SRC: step * written by the forward pass while store job*",
+                                 "*replay: python -m kvoffload.spec.kit.trace*",
                                  "*kvoffload kit coverage*", "test_fifo.py::test_fifo_connector",
                                  "*: * programs, * rules, * engine steps", "*safety: *CONTENT *"])
     trace = pytester.path / "kvoffload-traces" / "test_broken_connector.jsonl"

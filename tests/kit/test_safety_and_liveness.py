@@ -7,7 +7,8 @@ from kvoffload.spec import SpecConnector, Violation
 from kvoffload.spec.invariants import LIVENESS, SAFETY
 from kvoffload.spec.kit import make_machine, run_conformance
 
-from .connectors import SCENARIO, DelaysEveryFree, ForgetsDelayedFrees, NeverReleases, RaisesAtFinish
+from .connectors import (SCENARIO, DelaysEveryFree, DelaysFrees, ForgetsDelayedFrees, ForgetsTheFence, NeverReleases,
+                         RaisesAtFinish)
 
 
 def test_a_connector_that_delays_every_free_is_safe_and_its_delay_is_reported():
@@ -19,9 +20,19 @@ def test_a_connector_that_delays_every_free_is_safe_and_its_delay_is_reported():
         coverage)
 
 
-def test_the_spec_releases_every_free_as_soon_as_its_stores_drained():
-    coverage = run_conformance(SpecConnector, SCENARIO, profile="pr")
+def test_a_connector_that_delays_only_while_stores_read_releases_each_free_as_soon_as_they_drained():
+    coverage = run_conformance(DelaysFrees, SCENARIO, profile="pr")
     assert set(coverage.beyond_need) == {0} and coverage.beyond_need[0] > 0
+
+
+def test_the_spec_frees_at_once_and_fences_its_stores():
+    """The spec connector's protocol (FENCED_FREES): no free is ever delayed, so FINISH does not apply; a store
+    still reading a finished request's blocks is flushed before their reuse, which the forward pass checks."""
+    coverage = run_conformance(SpecConnector, SCENARIO, profile="pr")
+    assert not coverage.beyond_need and "FINISH" not in coverage.invariants
+    with pytest.raises(Violation) as unfenced:
+        run_conformance(ForgetsTheFence, SCENARIO, profile="pr")
+    assert unfenced.value.finding == "SRC" and unfenced.value.kind == "safety"
 
 
 def test_findings_are_reported_under_their_kind():

@@ -89,15 +89,17 @@ from kvoffload.spec import Config, SpecConnector, Violation
 from kvoffload.spec.kit import Scenario, run_conformance
 
 
-class ForgetsDelayedFrees(SpecConnector):
+class ForgetsTheFence(SpecConnector):
     def request_finished(self, request, block_ids):
+        flush = set(self.flush_next)
         super().request_finished(request, block_ids)
+        self.flush_next = flush
         return False
 
 
 scenario = Scenario(Config(num_gpu_blocks=12, tier_blocks=3, prefix_caching=False), delay=2, failures=True)
 try:
-    run_conformance(ForgetsDelayedFrees, scenario, profile="pr", trace=sys.argv[1])
+    run_conformance(ForgetsTheFence, scenario, profile="pr", trace=sys.argv[1])
 except Violation as exc:  # the finding itself still reaches the caller
     print("FOUND", exc.invariant)
     print("\\n".join(getattr(exc, "__notes__", [])))
@@ -111,8 +113,8 @@ def test_a_trace_from_a_script_is_refused_with_a_clear_message(tmp_path):
     trace = tmp_path / "failure.jsonl"
     done = subprocess.run([sys.executable, "script.py", str(trace)], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "FOUND FINISH" in done.stdout
-    assert ("cannot write a replayable trace: factory 'ForgetsDelayedFrees' is defined in __main__ (a script); move "
+    assert "FOUND SRC" in done.stdout
+    assert ("cannot write a replayable trace: factory 'ForgetsTheFence' is defined in __main__ (a script); move "
             "it into an importable module, or pass it to replay(path, adapter=...)") in done.stdout
     assert not trace.exists()
 
@@ -122,11 +124,11 @@ def test_a_trace_from_a_script_run_as_a_module_names_the_module_and_replays(tmp_
     trace = tmp_path / "failure.jsonl"
     done = subprocess.run([sys.executable, "-m", "my_script", str(trace)], cwd=tmp_path, capture_output=True,
                           text=True)
-    assert "FOUND FINISH" in done.stdout and "replay: python -m kvoffload.spec.kit.trace" in done.stdout, done.stderr
-    assert read_trace(trace)[0]["adapter"] == "my_script:ForgetsDelayedFrees"
+    assert "FOUND SRC" in done.stdout and "replay: python -m kvoffload.spec.kit.trace" in done.stdout, done.stderr
+    assert read_trace(trace)[0]["adapter"] == "my_script:ForgetsTheFence"
     replayed = subprocess.run([sys.executable, "-m", "kvoffload.spec.kit.trace", str(trace)], cwd=tmp_path,
                               capture_output=True, text=True)
-    assert replayed.returncode != 0 and "FINISH: request r" in replayed.stderr, replayed.stderr
+    assert replayed.returncode != 0 and "SRC: step " in replayed.stderr, replayed.stderr
 
 
 def _local_factory():

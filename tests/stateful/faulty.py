@@ -38,11 +38,13 @@ class NoFlushOnPreemption(ReferenceConnector):
 
 
 class FreeWhileStoring(ReferenceConnector):
-    """``request_finished`` lets the engine free blocks that a store still reads."""
+    """``request_finished`` lets the engine free blocks that a store still reads, and never flushes that store:
+    the blocks are reused under it."""
 
     def request_finished(self, request, block_ids) -> bool:
+        flush = set(self._flush_next)
         super().request_finished(request, block_ids)
-        self._delayed.discard(request.req_id)
+        self._flush_next = flush  # the bug: its stores are not fenced
         return False
 
 
@@ -90,7 +92,7 @@ class HitWhileStoring(ReferenceConnector):
 # GPU prefix cache (so shared prefixes come from the tier and loads pin entries), a tier small enough to refuse.
 HUNT = "k1-delayed-failures-no-prefix-cache"
 VARIANTS = {BreakOnRefusedStore: HUNT, NoFlushOnPreemption: HUNT, FreeWhileStoring: HUNT, CursorNotRewound: HUNT,
-            EvictBeforeRefusing: HUNT, EvictPinned: HUNT, HitWhileStoring: "k2-delayed"}
+            EvictBeforeRefusing: HUNT, EvictPinned: HUNT, HitWhileStoring: HUNT}
 
 
 # ---- the engine modes vLLM runs on GPUs, in the production connector ---------------------------------------------
@@ -198,9 +200,9 @@ class StoresAfterTheWindowFreed(SpecConnector):
 
 
 class ForgetsTheWindowAtFinish(SpecConnector):
-    """A finish that does not flush the stores reading blocks the engine freed as the request finished (vLLM's
-    ``_connector_finished`` frees a window's old blocks before ``request_finished``): the free of the rest is
-    delayed, but those blocks are reused at once, under the stores."""
+    """A finish that does not flush the stores still reading the request's blocks, in a hybrid model: the engine
+    frees them at once (vLLM's ``_connector_finished`` frees a window's old blocks even before
+    ``request_finished``) and reuses them under the stores."""
 
     def request_finished(self, request, block_ids):
         flush = set(self.flush_next)

@@ -285,15 +285,18 @@ def _window_flushed_too_late(state):
     state.invariants_hold()
 
 
-def _window_freed_at_finish(state):
-    """r1 finishes with a store in flight on a block its window no longer reads: vLLM frees that block before
-    request_finished (which delays the free of the rest), and the next step reuses it."""
-    state.add_requests(batch=[([0, 0, 0, 0, 0], 1), ([0, 1, 0, 1, 2, 2, 0, 0, 0, 0, 0], 1), ([0, 1, 0, 1, 2, 2, 0], 1)])
-    state.step(n=3)
+def _freed_at_finish(state):
+    """r2 finishes with a store in flight on its blocks: the engine frees them at once (a window's old ones even
+    before request_finished), and a later step reuses one for another request."""
+    state.add_requests(batch=[([0], 1)])
+    state.abort(i=0)
+    state.add_requests(batch=[([0, 1, 0, 1, 2, 2, 0, 0], 8), ([0, 0, 0], 6), ([0], 7)])
+    state.step(n=2)
+    state.step(n=6)
     state.invariants_hold()
 
 
-@pytest.mark.parametrize("program", [_window_flushed_too_late, _window_freed_at_finish])
+@pytest.mark.parametrize("program", [_window_flushed_too_late, _freed_at_finish])
 @pytest.mark.parametrize("connector, kv", _hybrid_connectors(), ids=["spec", "reference", "production"])
 def test_stores_reading_blocks_a_window_freed_finish_before_the_forward_pass(connector, kv, program):
     """Found when the world began calling the worker hooks in vLLM's order (``tests/vllm/test_call_order.py``):
@@ -301,8 +304,10 @@ def test_stores_reading_blocks_a_window_freed_finish_before_the_forward_pass(con
     block a sliding window freed there, too late: the pass had already written the block for another request
     (SRC; on a GPU, the store stream reads the new bytes and files them under the old key). Fixed: the flushes
     happen in ``handle_preemptions``, the one hook before the pass. The second program is the same hole at a finish:
-    vLLM frees a window's old blocks before ``request_finished``; fixed by naming their stores in the next plan's
-    flush. Each program passes on every connector, and fails on each with its flushes moved after the forward."""
+    vLLM frees a window's old blocks before ``request_finished`` (and, since spec 0.9, the rest at once too);
+    fixed by naming their stores in the next plan's flush (it was found with the free of the rest delayed; this is
+    the program the kit shrinks to since). Each program passes on every connector, and fails on each with its
+    flushes moved after the forward."""
     from kvoffload.spec.kit import make_machine
 
     from .faulty import flushes_after_the_forward
@@ -319,8 +324,8 @@ def test_stores_reading_blocks_a_window_freed_finish_before_the_forward_pass(con
 
 
 def test_a_store_of_a_block_freed_at_finish_is_flushed_by_the_next_plan():
-    """The finish program against the spec connector without the flush of what the window freed at the finish
-    (``ForgetsTheWindowAtFinish``): the delayed free keeps the rest, the freed block is reused under the store."""
+    """The finish program against the spec connector without the flush of what it frees at the finish
+    (``ForgetsTheWindowAtFinish``): a freed block is reused under the store."""
     from kvoffload.spec.kit import make_machine
 
     from .faulty import ForgetsTheWindowAtFinish
@@ -328,7 +333,7 @@ def test_a_store_of_a_block_freed_at_finish_is_flushed_by_the_next_plan():
 
     state = make_machine(ForgetsTheWindowAtFinish, HYBRID_SCENARIOS["hybrid-k2-w5-full-delayed-failures"])()
     with pytest.raises(Violation) as caught:
-        _window_freed_at_finish(state)
+        _freed_at_finish(state)
     assert caught.value.invariant == "SRC"
 
 

@@ -104,11 +104,11 @@ class _BreakOnRefusedStore(OffloadConnector):
         return transfer
 
     def build_connector_meta(self, scheduler_output):
-        loads, delayed, self._built = list(self._pending_loads), frozenset(self._delayed), []
+        loads, flush, self._built = list(self._pending_loads), frozenset(self._flush_next), []
         try:
             return super().build_connector_meta(scheduler_output)
         except _Refused:  # `break`: what was built so far goes out, the rest of the batch is skipped
-            return TransferPlan(loads, list(self._built), delayed)
+            return TransferPlan(loads, list(self._built), flush=flush)
 
 
 class SeedBugConnector(KVOffloadConnector):

@@ -107,9 +107,9 @@ def release(version: str | None = None) -> Release:
 
 class KVOffloadTransfers:
     """Our ``KVOffloadConnector``: a plan of transfers, and the stores to flush before the forward pass (a preempted
-    request's, and those reading blocks a sliding window freed)."""
+    or finished request's, and those reading blocks a sliding window freed): it frees at once, fenced."""
 
-    failures, fenced = True, False
+    failures, fenced = True, True
 
     def __init__(self, vllm: Release) -> None:
         self.vllm = vllm
