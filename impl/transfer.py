@@ -132,14 +132,20 @@ class Copier:
         return copy_runs
 
     def _plan_indexed(self, pairs: list, src_idx: np.ndarray, dst_idx: np.ndarray) -> Callable[[], None]:
-        src_t, dst_t = torch.from_numpy(src_idx), torch.from_numpy(dst_idx)
-        if _contiguous(dst_idx):  # gather straight into place: no temporary
-            d0 = int(dst_idx[0])
+        """Gathers straight into place when the destination is a few ranges of rows, in whatever order they are
+        named (vLLM hands a request blocks in descending runs: it frees blocks tail first): one per range and view,
+        at memcpy speed; else one scatter per view, at about two thirds of it (``bench/cpu_copy.py``)."""
+        order = np.argsort(dst_idx, kind="stable")
+        ranges = runs(dst_idx[order], np.arange(len(order)))  # (first destination row, position in order, rows)
+        if len(ranges) * 4 <= len(dst_idx) or len(ranges) == 1:
+            gathers = [(d, n, torch.from_numpy(src_idx[order[p:p + n]])) for d, p, n in ranges]
 
             def gather() -> None:
                 for dst, src in pairs:
-                    torch.index_select(src, 0, src_t, out=dst[d0:d0 + len(dst_idx)])
+                    for d, n, index in gathers:
+                        torch.index_select(src, 0, index, out=dst[d:d + n])
             return gather
+        src_t, dst_t = torch.from_numpy(src_idx), torch.from_numpy(dst_idx)
         s0, src_is_run = int(src_idx[0]), _contiguous(src_idx)
 
         def scatter() -> None:

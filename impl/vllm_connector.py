@@ -62,7 +62,7 @@ def _positive_seconds(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
 
-# A step that schedules nothing while our transfers run: vLLM steps again at once, and a loop that spins holding the
+# A step that schedules nothing while our puts or gets run: vLLM steps again at once, and a loop that spins holding the
 # GIL starves our I/O threads, which take the GIL back after every system call and wait up to its 5 ms switch
 # interval each time (a shared-tier get of 2k tokens took 6.3 s that way, 0.6 s with the interval at 0.5 ms:
 # bench/ttft.py). Such a step yields to them for this long: it had nothing to compute.
@@ -481,10 +481,15 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self.shadow:
             self.shadow.batch(neutral)
         self._keep_in_budget()
-        if not scheduler_output.total_num_scheduled_tokens and self.offload.unfinished:
+        if not scheduler_output.total_num_scheduled_tokens and self._io_in_flight():
             time.sleep(IDLE_YIELD)
         shared = self.offload.shared
         return KVOffloadMetadata(plan, shared.namespace if shared else None)
+
+    def _io_in_flight(self) -> bool:
+        """A put or a get runs on our I/O threads (loads and stores run in the engine step on a CPU, and on CUDA
+        streams on a GPU: a spinning engine starves neither, and a step that waits for a load must not sleep)."""
+        return any(t.kind in ("put", "get") for t in self.offload.unfinished.values())
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta

@@ -5,11 +5,13 @@ Each way runs in a fresh engine process (``serve``), the same documents and ques
 
   * ``none``: no connector. A document with its first question, cold (**recompute**), then with a second question
     (the engine's own **GPU prefix-cache hit**: the limit a tier can approach).
-  * ``tier``: our connector, with a CPU tier and a shared tier in a directory. The document with a third question,
-    cold (recompute with the connector, which stores it); the engine's prefix cache reset (checked); then the first
-    question (a **CPU-tier hit**).
-  * ``shared``: a new engine on the same directory, its CPU tier empty: the first question (a **shared-tier hit**:
-    records got from the directory into the CPU tier, then loaded).
+  * ``tier``: our connector with a CPU tier only. The document with a third question, cold (recompute with the
+    connector, which stores it); the engine's prefix cache reset (checked); then the first question (a **CPU-tier
+    hit**).
+  * ``writer``: our connector with a CPU tier and a shared tier in a directory: the document with a third question,
+    cold (recompute while storing it into both, the records fsynced into the directory).
+  * ``shared``: a new engine on the writer's directory, its CPU tier empty: the first question (a **shared-tier
+    hit**: records got from the directory into the CPU tier, then loaded).
 
 Every hit's first token is compared with recompute's for the same prompt. Time to first token is the wall time of
 a ``generate`` call with ``max_tokens=1``: what the caller waits for, the engine's extra steps included.
@@ -31,7 +33,7 @@ from .demo import BLOCK_SIZE, connector_config, drain, make_llm, reset_prefix_ca
 PREFILL_LLAMA: dict[str, Any] = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
 QUESTION = 17  # tokens after the document: never a whole block, so the document is the part a cache can serve
-WAYS = ("none", "tier", "shared")
+WAYS = ("none", "tier", "writer", "shared")
 
 
 def build_prefill_llama(path: Path) -> Path:
@@ -62,13 +64,14 @@ def first_token(llm: Any, prompt: list[int]) -> tuple[float, int]:
 
 
 def serve(way: str, model: Path, lengths: list[int], docs: int, directory: Path | None) -> dict[str, Any]:
-    """One way, in this process: for each length, a warm-up document, then ``docs`` measured ones. With a
-    ``directory``, the connector has a shared tier there too (the CPU tier's stores are put into it)."""
+    """One way, in this process: for each length, a warm-up document, then ``docs`` measured ones. The writer's and
+    the shared way's connector has a shared tier in ``directory`` too (the CPU tier's stores are put into it)."""
     max_len = max(lengths) + QUESTION + BLOCK_SIZE
     blocks = 2 * (max_len // BLOCK_SIZE) + 16  # two documents' blocks: the GPU prefix cache holds the last one
     connector = None
     if way != "none":
-        shared = {"shared_tier": {"backend": "fs", "path": str(directory), "bytes": 16 << 30}} if directory else {}
+        shared = {"shared_tier": {"backend": "fs", "path": str(directory), "bytes": 16 << 30}} \
+            if way in ("writer", "shared") else {}
         connector = connector_config(tier_bytes=4 << 30, offload_block_size=BLOCK_SIZE, **shared)
     llm = make_llm(model, connector, num_gpu_blocks=blocks, max_model_len=max_len, memory_share=0.4)
     texts = documents(lengths, docs + 1, seed=0)  # the first of each length warms up
@@ -80,7 +83,7 @@ def serve(way: str, model: Path, lengths: list[int], docs: int, directory: Path 
                 if d:  # not the warm-up
                     figures["seconds"].setdefault(f"{kind}/{n}", []).append(seconds)
                     figures["tokens"][f"{kind}/{n}/{d}"] = token
-    if way == "tier" and directory:
+    if way == "writer":
         drain(llm)
     if connector is not None:
         stats = scheduler_connector(llm).stats()
@@ -98,6 +101,8 @@ def _ask(way: str, llm: Any, doc_id: int, doc: list[int], resets: list[int]) -> 
         stored = first_token(llm, doc + question(doc_id, 3))
         resets.append(reset_prefix_cache(llm))
         return {"recompute_storing": stored, "cpu_tier": first_token(llm, doc + question(doc_id, 1))}
+    if way == "writer":
+        return {"recompute_putting": first_token(llm, doc + question(doc_id, 3))}
     return {"shared_tier": first_token(llm, doc + question(doc_id, 1))}
 
 
