@@ -45,6 +45,7 @@ class ReplayRequest:
     block_hashes: list[int]
     num_tokens: int = 0
     num_computed_tokens: int = 0
+    num_prompt_tokens: int = 0
 
 
 class Recorder:
@@ -65,8 +66,8 @@ class Recorder:
             return attr(*args)
         return record
 
-    def _requests(self) -> dict[str, tuple[int, int, int]]:
-        return {r.req_id: (len(r.block_hashes), r.num_tokens, r.num_computed_tokens)
+    def _requests(self) -> dict[str, tuple[int, int, int, int]]:
+        return {r.req_id: (len(r.block_hashes), r.num_tokens, r.num_computed_tokens, r.num_prompt_tokens)
                 for r in self.world.requests.values()}
 
 
@@ -191,8 +192,8 @@ class Replay:
         while not self.done:
             i, (name, states, recorded) = self.next, self.trace[self.next]
             self.next += 1
-            for req_id, (n_hashes, n_tokens, n_computed) in states.items():
-                req = requests.get(req_id) or requests.setdefault(req_id, ReplayRequest(req_id, []))
+            for req_id, (n_hashes, n_tokens, n_computed, n_prompt) in states.items():
+                req = requests.get(req_id) or requests.setdefault(req_id, ReplayRequest(req_id, [], 0, 0, n_prompt))
                 if len(req.block_hashes) < n_hashes:
                     req.block_hashes.extend(self.hashes[req_id][len(req.block_hashes):n_hashes])
                 req.num_tokens, req.num_computed_tokens = n_tokens, n_computed

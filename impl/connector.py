@@ -28,11 +28,13 @@ class OffloadConnector(OffloadScheduler, OffloadWorker):
             self.attach_worker_store(open, namespace)
 
     def stats(self) -> dict[str, Any]:
-        """Counters for operators: hits, lookups, refusals, evictions, failures, bytes and seconds per direction."""
+        """Counters for operators: hits, lookups, refusals, evictions, blocks admission left out, failures, bytes and
+        seconds per direction."""
         seconds = getattr(self.executor, "seconds", {})
         store = self.worker_store.counters() if self.worker_store else dict.fromkeys(SHARED_COUNTERS, 0)
         io_seconds = getattr(self.io, "seconds", {})
         return {**self.counters, "alloc_failures": self.tier.refusals, "evictions": self.tier.evictions,
+                "unadmitted_blocks": self.tier.unadmitted,
                 "bytes_stored": self.bytes["store"], "bytes_loaded": self.bytes["load"],
                 "store_seconds": seconds.get("store", 0.0), "load_seconds": seconds.get("load", 0.0), **store,
                 "shared_put_bytes": self.bytes["put"], "shared_got_bytes": self.bytes["get"],

@@ -70,7 +70,7 @@ class OffloadScheduler:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.k, self.block_size, self.offload_size = config.k, config.block_size, config.offload_block_size
-        self.tier = OffloadTier(config.tier_blocks, config.policy)
+        self.tier = OffloadTier(config.tier_blocks, config.policy, config.store_threshold, config.offers_remembered)
         self.windows = [group.window for group in config.groups]  # None: full attention
         self.block_sizes, self.offload_sizes = config.block_sizes, config.offload_block_sizes
         self.strides = config.hashes_per_offload_block  # hashes per offload block, per group
@@ -201,7 +201,7 @@ class OffloadScheduler:
             return False  # another request's get brings part of this hit: wait for it, not compute it
         lookup.settled = True
         if any(key in found and not self.tier.is_ready(key) for key in read):
-            slots = self.tier.prepare_store(list(read))  # the hit's entries kept, the records' reserved
+            slots = self.tier.prepare_store(list(read), fetched=True)  # the hit's entries kept, the records' reserved
             if slots:
                 k = self.k
                 for key in slots:
@@ -342,6 +342,8 @@ class OffloadScheduler:
         """Offer offload blocks [cursor, full) to the tier, as far as their keys exist (tokens the engine has
         seen); a transfer for those it accepts. In a hybrid model, each group's blocks that it still holds."""
         k, first = self.k, state.cursor
+        if self.config.store_prompts_only:  # only offload blocks of prompt tokens are offered
+            full = min(full, state.request.num_prompt_tokens // self.offload_size)
         if self.grouped:
             return self._store_groups(state, first, min(full, len(state.request.block_hashes) // k), computed)
         keys = offload_keys(state.request.block_hashes, k, first, full)

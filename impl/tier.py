@@ -6,14 +6,21 @@ soon as it has enough); the tier adds host slots, counters, events.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import cast
+
 from kvoffload.spec.types import Event, Key
 
 from .policies import POLICIES
 
 
 class OffloadTier:
-    def __init__(self, capacity: int, policy: str = "lru") -> None:
+    def __init__(self, capacity: int, policy: str = "lru", store_threshold: int = 1,
+                 offers_remembered: int = 65536) -> None:
         self.capacity = capacity
+        # admission: times each key was offered, least recently offered first (none counted at a threshold of 1)
+        self.store_threshold, self.offers_remembered = store_threshold, offers_remembered
+        self.offers: OrderedDict[Key, int] | None = OrderedDict() if store_threshold > 1 else None
         self.policy = POLICIES[policy](capacity)
         self.slot_of: dict[Key, int] = {}
         self.ready = bytearray(capacity)  # by slot
@@ -22,6 +29,7 @@ class OffloadTier:
         self.free = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest slot
         self.events: list[Event] = []
         self.refusals = self.evictions = 0
+        self.unadmitted = 0  # offered blocks the tier lacked and admission left out
 
     def is_ready(self, key: Key) -> bool:
         slot = self.slot_of.get(key)
@@ -75,10 +83,17 @@ class OffloadTier:
             if self.stale[slot] and not self.refs[slot]:
                 self._remove([key])
 
-    def prepare_store(self, keys: list[Key], refuse: bool = False) -> dict[Key, int] | None:
-        """Host slots for the keys not present (present ones count as used); None and no change if no room (or
-        ``refuse``: an injected allocation failure)."""
+    def prepare_store(self, keys: list[Key], refuse: bool = False, fetched: bool = False) -> dict[Key, int] | None:
+        """Host slots for the keys not present that it takes (a request's offers: once offered ``store_threshold``
+        times; records ``fetched`` for a hit: all), present ones counting as used; None and no slot changed if no
+        room (or ``refuse``: an injected allocation failure)."""
         new = [key for key in keys if key not in self.slot_of]
+        taken: set[Key] | None = None  # None: every new key
+        if self.offers is not None and not fetched:
+            self._count_offers(keys)
+            offered, new = len(new), [key for key in new if self.offers.get(key, 0) >= self.store_threshold]
+            self.unadmitted += offered - len(new)
+            taken = set(new)
         short = len(new) - len(self.free)
         victims: list[Key] | None = []
         if short > 0:
@@ -92,7 +107,7 @@ class OffloadTier:
         for key in keys:
             if key in self.slot_of:
                 self.policy.touch(key)
-            else:
+            elif taken is None or key in taken:
                 slot = self.slot_of[key] = self.free.pop()
                 self.ready[slot] = self.stale[slot] = 0
                 self.policy.insert(key)
@@ -102,6 +117,13 @@ class OffloadTier:
             self.evictions += len(victims)
             self.events.append(Event("removed", tuple(victims)))
         return {key: self.slot_of[key] for key in new}
+
+    def _count_offers(self, keys: list[Key]) -> None:
+        offers = cast("OrderedDict[Key, int]", self.offers)
+        for key in keys:
+            offers[key] = offers.pop(key, 0) + 1
+        while len(offers) > self.offers_remembered:
+            offers.popitem(last=False)
 
     def complete_store(self, keys: list[Key], success: bool) -> list[Key]:
         """The reserved entries become ready; failed or reset ones leave. The keys that became ready."""

@@ -6,6 +6,9 @@
                                                 "shared_tier": {"backend": "fs", "path": "/mnt/kv", "bytes": 1 << 40}},
                      kv_load_failure_policy="recompute")
 
+``store_threshold`` (1 by default) stores a block the tier lacks only once requests offered it that often, counted
+for the ``offers_remembered`` blocks offered last; ``store_prompts_only`` offers prompt blocks only.
+
 ``shared_tier`` (optional) backs the CPU tier with a store that engines share and that outlives them: every block
 stored to the CPU tier is put there too, and a CPU-tier miss that the store holds is got into the CPU tier and
 loaded from there. Engines share records only when their KV identity (``kvoffload.spec.records.Namespace``: model,
@@ -75,6 +78,9 @@ EXTRA: dict[str, tuple[Callable[[object], bool], str]] = {
     "policy": (lambda v: isinstance(v, str) and v in ("lru", "arc"), "'lru' or 'arc'"),
     "verify": (lambda v: isinstance(v, bool), "a bool"),
     "shared_tier": (lambda v: isinstance(v, dict), "a dict: {'backend': 'fs', 'path': ..., 'bytes': ...}"),
+    "store_threshold": (_positive_int, "a positive int: offers of a block before the tier takes it (1: at once)"),
+    "offers_remembered": (_positive_int, "a positive int: blocks whose offers are counted"),
+    "store_prompts_only": (lambda v: isinstance(v, bool), "a bool"),
 }
 EXTRA_KEYS = set(EXTRA)
 # shared_tier: key -> (check, what it must be, default; None: required)
@@ -92,8 +98,9 @@ MOVED = ("bytes_stored", "bytes_loaded", "store_seconds", "load_seconds", "share
 GAUGES = ("shared_used_bytes",)  # levels: the latest value counts, never a sum
 LATENCIES = {"get": "shared_get_latencies", "put": "shared_put_latencies"}  # seconds of each get, each put
 COUNTERS = ("lookups", "hit_tokens", "engine_hit_tokens", "stored_blocks", "loaded_blocks", "failed_stores",
-            "failed_loads", "alloc_failures", "evictions", "shared_lookups", "shared_deadline_misses",
-            "shared_got_blocks", "shared_failed_gets", "shared_put_blocks", "shared_reclaimed_bytes", *MOVED)
+            "failed_loads", "alloc_failures", "evictions", "unadmitted_blocks", "shared_lookups",
+            "shared_deadline_misses", "shared_got_blocks", "shared_failed_gets", "shared_put_blocks",
+            "shared_reclaimed_bytes", *MOVED)
 
 
 @dataclass
@@ -266,6 +273,10 @@ class VllmRequestView:
     def num_tokens(self) -> int:
         return self.request.num_tokens
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
 
 @dataclass
 class CacheTensors:
@@ -320,7 +331,10 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
                   tier_blocks=tier_bytes // offload_bytes,
                   token_budget=vllm_config.scheduler_config.max_num_batched_tokens,
                   policy=extra.get("policy", "lru"), num_workers=vllm_config.parallel_config.world_size,
-                  groups=groups, lookup_deadline=shared.lookup_deadline if shared else Config().lookup_deadline)
+                  groups=groups, lookup_deadline=shared.lookup_deadline if shared else Config().lookup_deadline,
+                  store_threshold=extra.get("store_threshold", 1),
+                  offers_remembered=extra.get("offers_remembered", Config().offers_remembered),
+                  store_prompts_only=extra.get("store_prompts_only", False))
 
 
 def hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:

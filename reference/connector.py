@@ -83,7 +83,7 @@ class ReferenceConnector:
             raise ConfigError(f"the reference connector implements the 'lru' policy only, not {config.policy!r}")
         self.config = config
         # scheduler side
-        self.tier = self.tier_class(config.tier_blocks)
+        self.tier = self.tier_class(config.tier_blocks, config.store_threshold, config.offers_remembered)
         self._requests: dict[str, RequestView] = {}
         self.groups = config.groups  # the KV cache groups: a table each, and a key each per block (group_key)
         self._block_tables: dict[str, list[list[int]]] = {}
@@ -177,7 +177,7 @@ class ReferenceConnector:
             return False  # another request's get brings part of this hit: wait for it
         lookup.done = True
         if any(key in there and not self._in_tier(key) for key in read):
-            slots = self.tier.prepare_store(read)  # the hit's slots kept, the records' reserved
+            slots = self.tier.prepare_store(read, fetched=True)  # the hit's slots kept, the records' reserved
             if slots:
                 k = self.config.k
                 copies = [(NULL_BLOCK, key, sub) for key in slots for sub in range(k)]
@@ -321,6 +321,8 @@ class ReferenceConnector:
         keys = self._keys(request)  # only blocks whose tokens the engine has seen have one
         full = min((sched.num_computed_tokens + sched.num_scheduled_tokens) // size,
                    len(request.block_hashes) // self.config.k)
+        if self.config.store_prompts_only:
+            full = min(full, request.num_prompt_tokens // size)
         first, k, tables = self._cursors[sched.req_id], self.config.k, self._block_tables[sched.req_id]
         self._cursors[sched.req_id] = max(first, full)
         offered = []

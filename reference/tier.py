@@ -18,8 +18,10 @@ class Slot:
 
 
 class LRUTier:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, store_threshold: int = 1, offers_remembered: int = 65536) -> None:
         self.capacity = capacity
+        self.store_threshold, self.offers_remembered = store_threshold, offers_remembered
+        self.offers: OrderedDict[Key, int] = OrderedDict()  # times offered, least recently offered first
         self.slots: OrderedDict[Key, Slot] = OrderedDict()  # least recently used first
         self.free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
         self.events: list[Event] = []
@@ -49,10 +51,13 @@ class LRUTier:
     def evictable(self, protected: set[Key]) -> list[Key]:
         return [key for key, slot in self.slots.items() if slot.ready and slot.refs == 0 and key not in protected]
 
-    def prepare_store(self, keys: list[Key], refuse: bool = False) -> dict[Key, int] | None:
-        """Slots for the keys not stored yet, or None (and no change at all) when the tier cannot make room (or is
-        told to ``refuse``)."""
-        new = [key for key in keys if key not in self.slots]
+    def prepare_store(self, keys: list[Key], refuse: bool = False, fetched: bool = False) -> dict[Key, int] | None:
+        """Slots for the keys not stored yet that it takes (a request's offers: once offered ``store_threshold``
+        times; records ``fetched`` for a hit: all), or None (and no slot changed) when the tier cannot make room (or
+        is told to ``refuse``)."""
+        if not fetched:
+            self._count_offers(keys)
+        new = [key for key in keys if key not in self.slots and (fetched or self._takes(key))]
         shortfall = len(new) - len(self.free)
         victims = self.evictable(set(keys))[:shortfall] if shortfall > 0 else []
         if new and (refuse or len(victims) < shortfall):
@@ -62,9 +67,19 @@ class LRUTier:
         for key in keys:  # present keys count as used; new ones get a slot
             if key in self.slots:
                 self.slots.move_to_end(key)
-            else:
+            elif key in new:
                 self.slots[key] = Slot(self.free.pop())
         return {key: self.slots[key].index for key in new}
+
+    def _count_offers(self, keys: list[Key]) -> None:
+        if self.store_threshold > 1:
+            for key in keys:
+                self.offers[key] = self.offers.pop(key, 0) + 1
+            while len(self.offers) > self.offers_remembered:
+                self.offers.popitem(last=False)  # the least recently offered
+
+    def _takes(self, key: Key) -> bool:
+        return self.store_threshold == 1 or self.offers.get(key, 0) >= self.store_threshold
 
     def evict(self, keys: list[Key]) -> None:
         for key in keys:

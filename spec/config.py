@@ -73,10 +73,18 @@ class Config:
     # store's clock: ticks in the world, seconds in vLLM) gives up on it (a miss), so that a slow or dead store
     # never holds a request back for long. Time, not a count of lookups: those come as fast as the engine spins.
     lookup_deadline: float = 3
+    # Admission: which offered blocks the tier takes, so that stores pay for themselves. A block the tier lacks is
+    # stored once it has been offered ``store_threshold`` times, by any requests (1: at once; vLLM's
+    # store_threshold, Dynamo KVBM's frequency filter): a prefix computed once never evicts one that recurs. Offers
+    # are counted for the ``offers_remembered`` keys offered last. ``store_prompts_only``: only blocks all of whose
+    # tokens are the prompt's are offered (LMCache's default: decode KV is rarely asked for again).
+    store_threshold: int = 1
+    offers_remembered: int = 65536
+    store_prompts_only: bool = False
 
     def __attrs_post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "offload_block_size", "tier_blocks", "token_budget",
-                     "num_workers"):
+                     "num_workers", "store_threshold", "offers_remembered"):
             _require_positive(name, getattr(self, name))
         _require_non_negative("num_spec_tokens", self.num_spec_tokens)
         _require_time("lookup_deadline", self.lookup_deadline)

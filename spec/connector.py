@@ -7,7 +7,9 @@ Scheduler side
   * each batch: update every request's block table first (new / resumed: replace; running: append the step's
     new ids), then offer the offload blocks that are full after this step *and hashed* (the timing rule of
     ``RequestView``; the key rule is ``key_index``), from the request's store cursor on. A refused store skips
-    *that request only*; the cursor still moves past what was offered.
+    *that request only*; the cursor still moves past what was offered. The tier takes a block it lacks as its
+    admission decides (``Config.store_threshold``: once offered that often); with ``store_prompts_only`` only the
+    offload blocks of prompt tokens are offered.
   * preemption and resumption rewind the cursor to 0 (prepare_store skips what is really stored).
   * request_finished: never delay the free (FENCED_FREES); forget the request, and name its stores still in
     flight in the next plan's ``flush``, so that they finish before the forward pass that may write its blocks for
@@ -57,7 +59,7 @@ from .config import Config, UnknownRequestError, registered
 from .groups import longest_hit
 from .records import Namespace
 from .store import Answer, SharedTier
-from .tier import Tier
+from .tier import Admission, Tier
 from .types import (FENCED_FREES, GROUPS, NULL_BLOCK, OBSERVE, REFUSE_STORE, RESET, SHARED, SHARED_MEDIUM,
                     TRANSFER_FAILURES, BlockIds, Copy, Event, Job, Key, Observation, RequestView, SchedulerOutput,
                     TransferKind, TransferPlan, WorkerOutput, group_key, offload_keys)
@@ -124,7 +126,8 @@ class SpecConnector:
 
     @tier.default
     def _tier(self) -> Tier:
-        return Tier.with_policy(self.config.policy, self.config.tier_blocks)
+        return Tier.with_policy(self.config.policy, self.config.tier_blocks,
+                                Admission(self.config.store_threshold, self.config.offers_remembered))
 
     # ---- scheduler side ------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -194,7 +197,7 @@ class SpecConnector:
         lookup.settled = True
         if not any(key in found and not self._in_tier(key) for key in wanted):
             return True
-        fetch = self.tier.prepare_store(wanted)  # keeps the hit's entries, reserves the records' (ATOMIC if None)
+        fetch = self.tier.prepare_store(wanted, fetched=True)  # keeps the hit's entries, reserves the records
         if fetch:
             get = self._new_transfer("", "get", [(NULL_BLOCK, key, s) for key in fetch for s in range(self.config.k)])
             self.pending_gets.append(get)
@@ -270,6 +273,8 @@ class SpecConnector:
         ``computed`` tokens (the engine does not say which it freed)."""
         k, tables, keys, sizes = self.config.k, self.block_tables[req.req_id], self._keys(req), self.config.block_sizes
         full = min(full, len(req.block_hashes) // k)
+        if self.config.store_prompts_only:  # only offload blocks of prompt tokens are offered
+            full = min(full, req.num_prompt_tokens // self.config.offload_block_size)
         start, self.cursors[req.req_id] = self.cursors[req.req_id], max(full, self.cursors[req.req_id])
         gone = [group.skipped_blocks(computed, size) for group, size in zip(self.config.groups, sizes)]
         ratios = [size // self.config.block_size for size in sizes]  # offload blocks of offload_block_size in one

@@ -52,7 +52,7 @@ class State(Enum):
 @define(eq=False)
 class Request:
     """A request as the engine tracks it. A connector reads it as a ``RequestView`` (``req_id``, ``block_hashes``,
-    ``num_tokens``, ``num_computed_tokens``; the timing rule is written there)."""
+    ``num_tokens``, ``num_computed_tokens``, ``num_prompt_tokens``; the timing rule is written there)."""
 
     req_id: str
     prompt: tuple[int, ...]
@@ -79,6 +79,10 @@ class Request:
     @tokens.default
     def _prompt(self) -> list[int]:
         return list(self.prompt)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt)
 
     def __attrs_post_init__(self) -> None:
         self.num_tokens = len(self.tokens)

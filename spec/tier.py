@@ -1,9 +1,9 @@
 """The offload tier: what a CPU tier manager must do (vLLM's ``OffloadingManager`` contract).
 
 Entries are keyed by offload-block hash. A store is two-phase: ``prepare_store`` reserves not-ready entries for the
-keys not present (all or nothing) and marks the present ones used; ``complete_store`` makes the reserved entries
-ready, or removes them. A load pins ready entries (``prepare_load``) until ``complete_load``. Only ready, unpinned
-entries are evicted; which ones is the eviction policy's choice: LRU or ARC.
+keys not present that admission takes (all or nothing) and marks the present ones used; ``complete_store`` makes the
+reserved entries ready, or removes them. A load pins ready entries (``prepare_load``) until ``complete_load``. Only
+ready, unpinned entries are evicted; which ones is the eviction policy's choice: LRU or ARC.
 
 An entry goes *stale* when a load of it fails (a persistent fault would fail it again, and the engine would
 recompute and load it forever) or when the tier is reset (a weight update made its KV wrong): it is never served
@@ -148,19 +148,42 @@ POLICIES: dict[str, Callable[[int], LRU | ARC]] = {"lru": lambda capacity: LRU()
 
 
 @define
+class Admission:
+    """Which of the keys it lacks a tier takes when requests offer them (``Config.store_threshold``): a key offered
+    ``threshold`` times, counting the offers of the ``remembered`` keys offered last (the least recently offered
+    is forgotten first). A threshold of 1 takes every key, and counts nothing."""
+
+    threshold: int = 1
+    remembered: int = 65536
+    offers: dict[Key, int] = field(factory=dict)  # key -> times offered, least recently offered first
+
+    def offer(self, keys: list[Key]) -> None:
+        if self.threshold == 1:
+            return
+        for key in keys:
+            self.offers[key] = self.offers.pop(key, 0) + 1
+        while len(self.offers) > self.remembered:
+            del self.offers[next(iter(self.offers))]
+
+    def takes(self, key: Key) -> bool:
+        return self.threshold == 1 or self.offers.get(key, 0) >= self.threshold
+
+
+@define
 class Tier:
     capacity: int
     policy: LRU | ARC = field()
     entries: dict[Key, Entry] = field(factory=dict)
     events: list[Event] = field(factory=list)
+    admission: Admission = field(factory=Admission)
 
     @policy.default
     def _lru(self) -> LRU:
         return LRU()
 
     @classmethod
-    def with_policy(cls, name: str, capacity: int) -> Tier:
-        return cls(capacity, POLICIES[name](capacity))
+    def with_policy(cls, name: str, capacity: int, admission: Admission | None = None) -> Tier:
+        return cls(capacity, POLICIES[name](capacity), admission=admission or Admission())
 
     def lookup(self, keys: list[Key]) -> int:
         """How many leading keys are ready to load."""
@@ -195,10 +218,14 @@ class Tier:
             if entry.stale and not entry.refs:
                 self._remove([key])
 
-    def prepare_store(self, keys: list[Key], refuse: bool = False) -> list[Key] | None:
-        """Reserve entries for the keys not present and mark the present ones used; None, changing nothing, if
-        there is no room (or ``refuse``: fault injection, as if there were none)."""
-        fresh = [k for k in keys if k not in self.entries]
+    def prepare_store(self, keys: list[Key], refuse: bool = False, fetched: bool = False) -> list[Key] | None:
+        """Reserve entries for the keys not present that the tier takes, and mark the present ones used; None,
+        changing no entry, if there is no room (or ``refuse``: fault injection, as if there were none). Keys a
+        request offers go through admission, their offers counted first (a refusal says nothing against a block);
+        records ``fetched`` from a shared store for a hit are always taken. The keys reserved."""
+        if not fetched:
+            self.admission.offer(keys)
+        fresh = [k for k in keys if k not in self.entries and (fetched or self.admission.takes(k))]
         short = max(len(self.entries) + len(fresh) - self.capacity, 0)
         victims = self.policy.victims(short, lambda k: self.entries[k].ready and not self.entries[k].refs
                                       and k not in keys, fresh)
@@ -209,7 +236,7 @@ class Tier:
         for key in keys:
             if key in self.entries:
                 self.policy.touch(key)
-            else:
+            elif key in fresh:
                 self.entries[key] = Entry()
                 self.policy.insert(key)
         for key in victims or ():  # after the inserts: ARC adapts its target to the ghosts as they were (case II)

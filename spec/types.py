@@ -71,6 +71,7 @@ class RequestView(Protocol):
         the tier's hit starts there. (vLLM updates its request's own count only after ``update_state_after_alloc``,
         so its adapter carries the hit.) Later counts come per step in ``ScheduledRequest``; the request's own
         includes placeholders and unverified drafts, and a connector must not read it then.
+      * ``num_prompt_tokens`` never changes: the tokens before the first sampled one.
     """
 
     @property
@@ -84,6 +85,9 @@ class RequestView(Protocol):
 
     @property
     def num_computed_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
 
 class ScheduledRequest(NamedTuple):  # a tuple: engines build one per request per step

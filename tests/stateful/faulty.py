@@ -6,6 +6,8 @@ The conformance kit must catch every one (``test_faulty_variants.py``). Add a bu
 
 from __future__ import annotations
 
+from attrs import evolve
+
 from kvoffload.impl import OffloadConnector, OffloadTier
 from kvoffload.reference import LRUTier, ReferenceConnector
 from kvoffload.spec import SpecConnector
@@ -56,10 +58,10 @@ class CursorNotRewound(ReferenceConnector):
 
 
 class _EvictThenRefuseTier(LRUTier):
-    def prepare_store(self, keys, refuse=False):
+    def prepare_store(self, keys, refuse=False, fetched=False):
         new = [key for key in keys if key not in self.slots]
         self.evict(self.evictable(set(keys))[:max(len(new) - len(self.free), 0)])  # the bug: evicts first
-        return super().prepare_store(keys, refuse)
+        return super().prepare_store(keys, refuse, fetched)
 
 
 class EvictBeforeRefusing(ReferenceConnector):
@@ -87,12 +89,38 @@ class HitWhileStoring(ReferenceConnector):
         return False
 
 
+class _CountsAfterRefusingTier(LRUTier):
+    def prepare_store(self, keys, refuse=False, fetched=False):
+        saved = self.offers.copy()
+        slots = super().prepare_store(keys, refuse, fetched)
+        if slots is None:
+            self.offers = saved  # the bug: a refusal for lack of room also forgets that the blocks were offered
+        return slots
+
+
+class ForgetsOffersWhenRefused(ReferenceConnector):
+    """Admission that undoes a refused store's offers (ATOMIC read too widely): a block offered when the tier was
+    full is counted as never offered, and stored later, or never, unlike the spec."""
+
+    tier_class = _CountsAfterRefusingTier
+
+
+class OffersDecodeBlocks(ReferenceConnector):
+    """``store_prompts_only`` read nowhere: blocks of sampled tokens are stored too, evicting prompts'."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.config = evolve(config, store_prompts_only=False)  # the bug
+
+
 # each reference variant, with the scenario (in scenarios.py) that triggers it
 # Where the known bugs are hunted: transfers held back (so stores are in flight at preemptions and finishes), no
 # GPU prefix cache (so shared prefixes come from the tier and loads pin entries), a tier small enough to refuse.
 HUNT = "k1-delayed-failures-no-prefix-cache"
 VARIANTS = {BreakOnRefusedStore: HUNT, NoFlushOnPreemption: HUNT, FreeWhileStoring: HUNT, CursorNotRewound: HUNT,
-            EvictBeforeRefusing: HUNT, EvictPinned: HUNT, HitWhileStoring: HUNT}
+            EvictBeforeRefusing: HUNT, EvictPinned: HUNT, HitWhileStoring: HUNT,
+            ForgetsOffersWhenRefused: "k1-threshold2-delayed-failures-no-prefix-cache",
+            OffersDecodeBlocks: "k2-prompts-only-threshold3-delayed"}
 
 
 # ---- the engine modes vLLM runs on GPUs, in the production connector ---------------------------------------------

@@ -13,6 +13,13 @@ SCENARIOS = {
     "k2-delayed": Scenario(Config(num_gpu_blocks=14, offload_block_size=4, tier_blocks=4), delay=3),
     "k3-delayed-failures-no-prefix-cache": Scenario(
         Config(num_gpu_blocks=18, offload_block_size=6, tier_blocks=3, prefix_caching=False), delay=1, failures=True),
+    # admission: a block stored once offered twice (offers of the last 6 keys remembered); prompt blocks only
+    "k1-threshold2-delayed-failures-no-prefix-cache": Scenario(
+        Config(num_gpu_blocks=12, tier_blocks=4, prefix_caching=False, store_threshold=2, offers_remembered=6),
+        delay=2, failures=True),
+    "k2-prompts-only-threshold3-delayed": Scenario(
+        Config(num_gpu_blocks=16, offload_block_size=4, tier_blocks=6, store_threshold=3, store_prompts_only=True),
+        delay=1),
 }
 
 # The modes vLLM runs on GPUs: async scheduling, speculative decoding, tensor-parallel workers, and a persistent
@@ -31,6 +38,9 @@ GPU_MODE_SCENARIOS = {
                num_spec_tokens=3), delay=1, failures=True),
     "k1-broken-loads-no-prefix-cache": Scenario(
         Config(num_gpu_blocks=16, tier_blocks=6, prefix_caching=False), delay=1, failures=True, broken_loads=True),
+    "k1-async-spec2-prompts-only-threshold2-delayed-failures": Scenario(
+        Config(num_gpu_blocks=16, tier_blocks=4, async_scheduling=True, num_spec_tokens=2, store_threshold=2,
+               store_prompts_only=True), delay=1, failures=True),
 }
 
 ARC_SCENARIOS = {
@@ -68,6 +78,9 @@ HYBRID_SCENARIOS = {
     "hybrid-full-full@4-k2-delayed": Scenario(
         Config(num_gpu_blocks=24, offload_block_size=4, tier_blocks=8, groups=(Group(), Group(block_size=4))),
         delay=2),
+    "hybrid-w4-full-prompts-only-threshold2-delayed": Scenario(
+        Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(4), Group()), store_threshold=2,
+               store_prompts_only=True), delay=1),
     "hybrid-full@6-w5-full@4-tp2-no-prefix-cache": Scenario(
         Config(num_gpu_blocks=36, tier_blocks=24, groups=(Group(block_size=6), Group(5), Group(block_size=4)),
                num_workers=2, prefix_caching=False), delay=1, failures=True),
@@ -89,6 +102,9 @@ FLEET_SCENARIOS = {
     "fleet2-hybrid-w4-full-delayed": Scenario(
         Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(4), Group()), prefix_caching=False), delay=1,
         engines=2, store=24, store_delay=1),
+    "fleet2-threshold2-delayed": Scenario(  # records a get fetches are taken whatever admission says
+        Config(num_gpu_blocks=14, tier_blocks=6, prefix_caching=False, store_threshold=2), delay=1, engines=2,
+        store=24),
     "fleet2-dead-store": Scenario(
         Config(num_gpu_blocks=14, tier_blocks=4, prefix_caching=False), delay=1, engines=2, store=8, store_dead=True),
 }

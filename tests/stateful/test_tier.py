@@ -6,7 +6,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvoffload.reference import LRUTier
 from kvoffload.spec.invariants import Violation, atomic
-from kvoffload.spec.tier import Tier
+from kvoffload.spec.tier import Admission, Tier
 
 from .faulty import _EvictThenRefuseTier
 
@@ -19,18 +19,21 @@ def reference_view(tier: LRUTier) -> tuple:
 
 class TierMachine(RuleBasedStateMachine):
     reference_class = LRUTier
+    admission = Admission()  # takes every key
 
     def __init__(self):
         super().__init__()
-        self.spec, self.ref = Tier(3), self.reference_class(3)
+        threshold, remembered = self.admission.threshold, self.admission.remembered
+        self.spec = Tier(3, admission=Admission(threshold, remembered))
+        self.ref = self.reference_class(3, threshold, remembered)
         self.storing: list[list[int]] = []  # accepted, not yet completed
         self.loading: list[list[int]] = []
 
-    @rule(keys=KEYS, refuse=st.booleans())
-    def prepare_store(self, keys, refuse):
+    @rule(keys=KEYS, refuse=st.booleans(), fetched=st.booleans())
+    def prepare_store(self, keys, refuse, fetched):
         before = self.spec.view(), reference_view(self.ref)
-        accepted = self.spec.prepare_store(keys, refuse)
-        slots = self.ref.prepare_store(keys, refuse)
+        accepted = self.spec.prepare_store(keys, refuse, fetched)
+        slots = self.ref.prepare_store(keys, refuse, fetched)
         atomic(before[0], self.spec.view(), accepted)
         atomic(before[1], reference_view(self.ref), slots)
         assert (accepted is None) == (slots is None)
@@ -71,6 +74,24 @@ class TierMachine(RuleBasedStateMachine):
 
 
 TestTier = TierMachine.TestCase
+
+
+class AdmittingTierMachine(TierMachine):
+    """Blocks taken once offered twice, offers remembered for the last 4 keys (of 10)."""
+
+    admission = Admission(threshold=2, remembered=4)
+
+
+TestAdmittingTier = AdmittingTierMachine.TestCase
+
+
+def test_a_key_is_taken_once_offered_threshold_times_and_forgotten_past_the_memory():
+    tier = Tier(8, admission=Admission(threshold=2, remembered=2))
+    assert tier.prepare_store([1, 2]) == []  # offered once each: nothing taken
+    assert tier.prepare_store([1]) == [1]  # twice
+    assert tier.prepare_store([3, 4]) == [] and tier.prepare_store([2]) == []  # 2 was forgotten: once again
+    assert tier.prepare_store([5], fetched=True) == [5]  # a get's record is always taken, and not counted
+    assert 5 not in tier.admission.offers
 
 
 def test_atomic_catches_a_tier_that_evicts_before_refusing():

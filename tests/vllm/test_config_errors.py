@@ -46,6 +46,9 @@ def test_good_values_are_read(model):
     config = config_for(model, tier_bytes=1 << 20, offload_block_size=4 * BLOCK_SIZE, policy="arc", verify=True)
     assert (config.offload_block_size, config.policy) == (4 * BLOCK_SIZE, "arc")
     assert config.tier_blocks == (1 << 20) // (4 * BLOCK_SIZE * TOKEN_BYTES)
+    assert (config.store_threshold, config.store_prompts_only) == (1, False)  # by default every block is stored
+    admitting = config_for(model, store_threshold=2, offers_remembered=1000, store_prompts_only=True)
+    assert (admitting.store_threshold, admitting.offers_remembered, admitting.store_prompts_only) == (2, 1000, True)
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -68,7 +71,12 @@ def test_good_values_are_read(model):
     (dict(verify="no"), "verify='no': expected a bool"),
     (dict(verify=1), "verify=1: expected a bool"),
     (dict(tier_size=1), "unknown kv_connector_extra_config keys ['tier_size']; known: "
-                        "['offload_block_size', 'policy', 'shared_tier', 'tier_bytes', 'verify']"),
+                        "['offers_remembered', 'offload_block_size', 'policy', 'shared_tier', 'store_prompts_only', "
+                        "'store_threshold', 'tier_bytes', 'verify']"),
+    (dict(store_threshold=0), "store_threshold=0: expected a positive int: offers of a block before the tier takes"),
+    (dict(store_threshold="2"), "store_threshold='2': expected a positive int"),
+    (dict(offers_remembered=-5), "offers_remembered=-5: expected a positive int: blocks whose offers are counted"),
+    (dict(store_prompts_only="yes"), "store_prompts_only='yes': expected a bool"),
     (dict(shared_tier="/mnt/kv"), "shared_tier='/mnt/kv': expected a dict"),
     (dict(shared_tier={"bytes": 1 << 30}), "shared_tier.path is missing: expected a directory path"),
     (dict(shared_tier={"path": "/mnt/kv"}), "shared_tier.bytes is missing: expected a positive int"),
