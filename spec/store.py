@@ -11,7 +11,9 @@ A connector reaches the store only through ``SharedTier``, one namespace at a ti
   * ``put`` publishes a record unless one is there (the first writer wins, nothing is written twice), within one
     byte budget for the whole fleet (least recently used records go first);
   * the environment may, at any moment, make a record vanish (another replica's eviction, a TTL), damage it (a
-    writer killed mid-write, a flipped bit), take the store down, or restart it with or without its records.
+    writer killed mid-write, a flipped bit), take the store down, restart it with or without its records, or break
+    the connection in the middle of the next batch (a server's pipeline: what was sent before the break may have
+    been done, yet the whole batch failed for the connector).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class Store:
     queries: list[Query] = field(factory=list)  # asked, not yet answered
     up: bool = True
     back_at: int | None = None  # the tick a store that is down comes back (None: it stays down)
+    breaks_after: int | None = None  # the next batch breaks after this many of its records were done
     ticks: int = 0
     counters: Counter[str] = field(factory=Counter)
 
@@ -142,6 +145,16 @@ class Store:
         if name is not None:
             record = self.records[name]
             self.records[name] = record[:len(record) // 2] if torn else record[:-1] + bytes([record[-1] ^ 1])
+
+    def break_connection(self, after: int) -> None:
+        """The connection breaks in the middle of the next put or get: its first ``after`` records were done on the
+        server, and the connector learns that the whole batch failed."""
+        self.breaks_after = after
+
+    def _broken(self, n: int) -> int | None:
+        """How many of an ``n``-record batch are done before its connection breaks, or None if it does not."""
+        after, self.breaks_after = self.breaks_after, None
+        return None if after is None else min(after, n)
 
     def restart(self, keep: bool) -> None:
         """The store restarts, with its records or without them; checks in flight are lost with the connection:
@@ -195,6 +208,9 @@ class StoreView:
         return query
 
     def get(self, keys: Sequence[RecordKey], into: Sequence[memoryview]) -> list[bool]:
+        if self.store._broken(len(keys)) is not None:  # the records were read, the replies lost
+            self.counters["errors_connection"] += len(keys)
+            return [False] * len(keys)
         return [self._get(key, buffer) for key, buffer in zip(keys, into)]
 
     def _get(self, key: RecordKey, into: memoryview) -> bool:
@@ -216,8 +232,11 @@ class StoreView:
         return True
 
     def put(self, records: Sequence[tuple[RecordKey, Bytes]]) -> list[str]:
+        done = self.store._broken(len(records))
         outcomes = [self.store._publish(self._name(key), b"".join(map(bytes, seal(self.namespace, key, payload))))
-                    for key, payload in records]
+                    for key, payload in records[:done]]
+        if done is not None:  # published or not, each record's reply was lost with the connection
+            outcomes = ["dropped:connection"] * len(records)
         self.counters.update(o.replace(":", "_") for o in outcomes)
         return outcomes
 

@@ -1,7 +1,34 @@
-"""Hypothesis profile for every test: $HYPOTHESIS_PROFILE (pr, nightly, mutation), default pr."""
+"""Hypothesis profile for every test: $HYPOTHESIS_PROFILE (pr, nightly, mutation), default pr. The Redis tier's
+server fixture."""
+
+import os
+
+import pytest
 
 from kvoffload.spec.kit import load_profile
 
 load_profile()
 
 pytest_plugins = ["pytester"]  # tests/kit/test_plugin.py runs the kit's pytest plugin in a scratch project
+
+
+def needs_redis_server() -> None:
+    """A test that needs ``redis-server`` and cannot find it fails in CI, and skips elsewhere, with the reason."""
+    pytest.importorskip("redis", reason="the Redis tier needs redis-py (pip install kvoffload[redis])")
+    from kvoffload.impl.testing.redis_server import missing
+
+    why = missing()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the Redis tier's tests: {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server on a loopback port, with an ACL user and a password; stopped after the test."""
+    needs_redis_server()
+    from kvoffload.impl.testing.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server

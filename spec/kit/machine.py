@@ -316,17 +316,19 @@ class FleetMachine(ConformanceMachine):
                 store.vanish(i, getting) if how == "vanish" else store.damage(i, how == "torn", getting)
 
     @needs(SHARED, mode="store")
-    @rule(event=st.sampled_from(["outage", "restart", "restart-empty", "answer"]), i=st.integers(0, 63))
+    @rule(event=st.sampled_from(["outage", "restart", "restart-empty", "answer", "break"]), i=st.integers(0, 63))
     def store_event(self, event: str, i: int = 0) -> None:
-        """The store is unreachable for a few steps, restarts with or without its records, or answers one existence
-        check early (picked by index)."""
-        with self._rule("store_event", event=event, **({"i": i} if event == "answer" else {})):
+        """The store is unreachable for a few steps, restarts with or without its records, answers one existence
+        check early (picked by index), or breaks the connection after ``i % 4`` records of the next put or get."""
+        with self._rule("store_event", event=event, **({"i": i} if event in ("answer", "break") else {})):
             for fleet in self.fleets:
                 store = cast(Store, fleet.store)
                 if event == "outage":
                     store.outage(4)
                 elif event == "answer":
                     store.answer_early(i)
+                elif event == "break":
+                    store.break_connection(i % 4)
                 else:
                     store.restart(keep=event == "restart")
 

@@ -189,4 +189,4 @@ class KillingFileTier(FileTier):
 @dataclasses.dataclass(frozen=True)
 class KillingSharedTier(SharedTierConfig):
     def open(self, namespace, payload) -> FileTier:
-        return KillingFileTier(self.path, namespace, payload)
+        return KillingFileTier(self.options["path"], namespace, payload)

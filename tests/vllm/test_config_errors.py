@@ -89,7 +89,18 @@ def test_good_values_are_read(model):
      "shared_tier.lookup_deadline=inf: expected a positive number of seconds (e.g. 0.1)"),
     (dict(shared_tier={"path": "/mnt/kv", "bytes": 1, "size": 1}),
      "unknown kv_connector_extra_config shared_tier keys ['size']; known: ['backend', 'bytes', 'lookup_deadline', "
-     "'path', 'tenant']"),
+     "'path', 'tenant'] (backend 'fs')"),
+    (dict(shared_tier={"backend": "redis"}), "shared_tier.url is missing: expected a redis://host:port/db, rediss://"),
+    (dict(shared_tier={"backend": "redis", "url": "http://cache:6379"}), "shared_tier.url='http://cache:6379': "
+                                                                          "expected a redis://host:port/db"),
+    (dict(shared_tier={"backend": "redis", "url": "redis://cache", "ttl": 0}),
+     "shared_tier.ttl=0: expected a positive number of seconds a record lives"),
+    (dict(shared_tier={"backend": "redis", "url": "redis://cache", "cluster": "yes"}),
+     "shared_tier.cluster='yes': expected a bool"),
+    (dict(shared_tier={"backend": "redis", "url": "redis://cache", "path": "/mnt/kv"}),
+     "unknown kv_connector_extra_config shared_tier keys ['path']; known: ['backend', 'cluster', 'lookup_deadline', "
+     "'password', 'password_env', 'tenant', 'timeout', 'tls_ca_file', 'tls_cert_file', 'tls_key_file', 'ttl', 'url', "
+     "'username'] (backend 'redis')"),
 ])
 def test_bad_value_is_one_clear_error(model, extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -26,14 +26,21 @@ def model(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
-def run_engine(model: Path, connector: str = "", gpu_blocks: int = 48, rounds: int = 2, reset_connector: bool = False,
-               max_file_bytes: int = 0, kv_events: bool = False, **extra) -> dict:
+def start_engine(model: Path, connector: str = "", gpu_blocks: int = 48, rounds: int = 2,
+                 reset_connector: bool = False, max_file_bytes: int = 0, kv_events: bool = False,
+                 environ: dict[str, str] | None = None, **extra) -> subprocess.CompletedProcess[str]:
+    """tests/vllm/run_engine.py in a process of its own (``environ`` added to its environment), to its end."""
     cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_engine.py"), "--model", str(model),
            "--connector", connector, "--extra", json.dumps(extra), "--gpu-blocks", str(gpu_blocks),
            "--rounds", str(rounds), *(["--reset-connector"] if reset_connector else []),
            *(["--max-file-bytes", str(max_file_bytes)] if max_file_bytes else []),
            *(["--kv-events"] if kv_events else [])]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**ENV, **(environ or {})})
+
+
+def run_engine(model: Path, connector: str = "", **options) -> dict:
+    """An engine run that must succeed: what run_engine.py printed of it."""
+    done = start_engine(model, connector, **options)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"engine run failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])
