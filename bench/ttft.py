@@ -7,9 +7,10 @@ recompute's, and every prefix-cache reset against vLLM's answer. Last line, at `
 ``ttft_tier_vs_recompute=… ttft_tier_vs_gpu_hit=… ttft_shared_vs_recompute=… ttft_storing_vs_recompute=…
 ttft_putting_vs_recompute=…``.
 Goals at 2048 tokens: a CPU-tier hit ≤ 0.05 × recompute and ≤ 1.1 × the engine's own hit; a shared-tier hit
-≤ 0.2 × recompute.
+≤ 0.2 × recompute. With ``--redis``, the shared tier on a Redis server (a real redis-server on a loopback port) as
+well: ``ttft_redis_vs_recompute=… ttft_redis_vs_tier=…`` join the last line.
 
-    python bench/ttft.py [--lengths 512 1024 2048 4096] [--docs 4] [--at 2048]
+    python bench/ttft.py [--lengths 512 1024 2048 4096] [--docs 4] [--at 2048] [--redis]
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvoffload.impl.testing.ttft import WAYS, build_prefill_llama, medians, mismatches, run_way
+from kvoffload.impl.testing.ttft import REDIS_WAYS, WAYS, build_prefill_llama, medians, mismatches, run_way
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,12 +30,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", type=int, default=4, help="documents measured per length")
     parser.add_argument("--at", type=int, default=2048, help="the length the last line reports")
     parser.add_argument("--model-dir", type=Path, default=Path(".cache/prefill-llama"))
+    parser.add_argument("--redis", action="store_true", help="a Redis hit too (needs redis-server)")
     args = parser.parse_args(argv)
     if args.at not in args.lengths or any(n <= 0 or n % 32 for n in args.lengths):
         parser.error(f"--lengths must be positive multiples of 32 and include --at {args.at}")
     model = build_prefill_llama(args.model_dir)
     with tempfile.TemporaryDirectory(prefix="kvoffload-ttft-") as directory:
-        runs = {way: run_way(way, model, args.lengths, args.docs, Path(directory)) for way in WAYS}
+        fs = {"backend": "fs", "path": directory, "bytes": 16 << 30}
+        runs = {way: run_way(way, model, args.lengths, args.docs, fs) for way in WAYS}
+    if args.redis:
+        from kvoffload.impl.testing.redis_server import PASSWORD, USER, RedisServer
+
+        with RedisServer() as server:
+            redis = {"backend": "redis", "url": server.url, "username": USER, "password": PASSWORD}
+            runs |= {way: run_way(way, model, args.lengths, args.docs, redis) for way in REDIS_WAYS}
     ttft = medians(runs)
     print(f"\n{'tokens':>7} {'recompute':>10} {'gpu hit':>8} {'cpu tier':>9} {'shared':>8} {'storing':>8} "
           f"{'putting':>8}   {'tier/recomp':>11} {'tier/gpu':>8} {'shared/recomp':>13}   (ms, medians of {args.docs})")
@@ -50,12 +59,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"connector, CPU-tier engine: {runs['tier']['stats']}")
     print(f"connector, writing engine: {runs['writer']['stats']}")
     print(f"connector, shared-tier engine: {runs['shared']['stats']}")
-    at = args.at
+    at, redis_figures = args.at, ""
+    if args.redis:
+        print(f"\n{'tokens':>7} {'redis hit':>10} {'putting':>8}   {'redis/recomp':>12} {'redis/tier':>10}")
+        for n in args.lengths:
+            hit, putting = ttft[f"redis_tier/{n}"], ttft[f"redis_recompute_putting/{n}"]
+            print(f"{n:>7} {hit * 1e3:>10.1f} {putting * 1e3:>8.1f}   {hit / ttft[f'recompute/{n}']:>12.3f} "
+                  f"{hit / ttft[f'cpu_tier/{n}']:>10.2f}")
+        print(f"connector, Redis reader: {runs['redis']['stats']}")
+        redis_figures = (f" ttft_redis_vs_recompute={ttft[f'redis_tier/{at}'] / ttft[f'recompute/{at}']:.3f}"
+                         f" ttft_redis_vs_tier={ttft[f'redis_tier/{at}'] / ttft[f'cpu_tier/{at}']:.3f}")
     print(f"ttft_tier_vs_recompute={ttft[f'cpu_tier/{at}'] / ttft[f'recompute/{at}']:.3f} "
           f"ttft_tier_vs_gpu_hit={ttft[f'cpu_tier/{at}'] / ttft[f'gpu_hit/{at}']:.3f} "
           f"ttft_shared_vs_recompute={ttft[f'shared_tier/{at}'] / ttft[f'recompute/{at}']:.3f} "
           f"ttft_storing_vs_recompute={ttft[f'recompute_storing/{at}'] / ttft[f'recompute/{at}']:.3f} "
-          f"ttft_putting_vs_recompute={ttft[f'recompute_putting/{at}'] / ttft[f'recompute/{at}']:.3f}")
+          f"ttft_putting_vs_recompute={ttft[f'recompute_putting/{at}'] / ttft[f'recompute/{at}']:.3f}"
+          + redis_figures)
     return 1 if wrong else 0
 
 

@@ -265,7 +265,7 @@ def ttft_table(tokens: int, docs: int) -> tuple[str, bool]:
     from .ttft import build_prefill_llama, medians, mismatches, run_way
 
     model = build_prefill_llama(Path(".cache/prefill-llama"))
-    runs = {way: run_way(way, model, [tokens], docs, directory=None) for way in ("none", "tier")}
+    runs = {way: run_way(way, model, [tokens], docs) for way in ("none", "tier")}
     ms = {kind.split("/")[0]: f"{seconds * 1e3:.0f} ms" for kind, seconds in medians(runs).items()}
     rows = [("first ask (nothing cached)", ms["recompute"], ms["recompute_storing"] + " (and stores it)"),
             ("asked again after a prefix-cache reset", ms["recompute"] + " (recomputed)",

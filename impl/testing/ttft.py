@@ -12,6 +12,8 @@ Each way runs in a fresh engine process (``serve``), the same documents and ques
     cold (recompute while storing it into both, the records fsynced into the directory).
   * ``shared``: a new engine on the writer's directory, its CPU tier empty: the first question (a **shared-tier
     hit**: records got from the directory into the CPU tier, then loaded).
+  * ``redis_writer`` and ``redis``: the same two, the shared tier on a Redis server instead of a directory (a
+    **Redis hit**).
 
 Every hit's first token is compared with recompute's for the same prompt. Time to first token is the wall time of
 a ``generate`` call with ``max_tokens=1``: what the caller waits for, the engine's extra steps included.
@@ -34,6 +36,8 @@ PREFILL_LLAMA: dict[str, Any] = dict(vocab_size=512, hidden_size=512, intermedia
                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
 QUESTION = 17  # tokens after the document: never a whole block, so the document is the part a cache can serve
 WAYS = ("none", "tier", "writer", "shared")
+REDIS_WAYS = ("redis_writer", "redis")
+SHARED_KIND = {"shared": "shared_tier", "redis": "redis_tier"}  # a way that reads a shared tier: what its hit is
 
 
 def build_prefill_llama(path: Path) -> Path:
@@ -63,15 +67,14 @@ def first_token(llm: Any, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - started, done[0].outputs[0].token_ids[0]
 
 
-def serve(way: str, model: Path, lengths: list[int], docs: int, directory: Path | None) -> dict[str, Any]:
-    """One way, in this process: for each length, a warm-up document, then ``docs`` measured ones. The writer's and
-    the shared way's connector has a shared tier in ``directory`` too (the CPU tier's stores are put into it)."""
+def serve(way: str, model: Path, lengths: list[int], docs: int, shared_tier: dict[str, Any] | None) -> dict[str, Any]:
+    """One way, in this process: for each length, a warm-up document, then ``docs`` measured ones. A writer's and a
+    reader's connector has ``shared_tier`` too (the CPU tier's stores are put into it)."""
     max_len = max(lengths) + QUESTION + BLOCK_SIZE
     blocks = 2 * (max_len // BLOCK_SIZE) + 16  # two documents' blocks: the GPU prefix cache holds the last one
     connector = None
     if way != "none":
-        shared = {"shared_tier": {"backend": "fs", "path": str(directory), "bytes": 16 << 30}} \
-            if way in ("writer", "shared") else {}
+        shared = {"shared_tier": shared_tier} if way not in ("none", "tier") else {}
         connector = connector_config(tier_bytes=4 << 30, offload_block_size=BLOCK_SIZE, **shared)
     llm = make_llm(model, connector, num_gpu_blocks=blocks, max_model_len=max_len, memory_share=0.4)
     texts = documents(lengths, docs + 1, seed=0)  # the first of each length warms up
@@ -83,7 +86,7 @@ def serve(way: str, model: Path, lengths: list[int], docs: int, directory: Path 
                 if d:  # not the warm-up
                     figures["seconds"].setdefault(f"{kind}/{n}", []).append(seconds)
                     figures["tokens"][f"{kind}/{n}/{d}"] = token
-    if way == "writer":
+    if way.endswith("writer"):
         drain(llm)
     if connector is not None:
         stats = scheduler_connector(llm).stats()
@@ -101,16 +104,17 @@ def _ask(way: str, llm: Any, doc_id: int, doc: list[int], resets: list[int]) -> 
         stored = first_token(llm, doc + question(doc_id, 3))
         resets.append(reset_prefix_cache(llm))
         return {"recompute_storing": stored, "cpu_tier": first_token(llm, doc + question(doc_id, 1))}
-    if way == "writer":
-        return {"recompute_putting": first_token(llm, doc + question(doc_id, 3))}
-    return {"shared_tier": first_token(llm, doc + question(doc_id, 1))}
+    if way.endswith("writer"):
+        return {way.replace("writer", "recompute_putting"): first_token(llm, doc + question(doc_id, 3))}
+    return {SHARED_KIND[way]: first_token(llm, doc + question(doc_id, 1))}
 
 
-def run_way(way: str, model: Path, lengths: list[int], docs: int, directory: Path | None) -> dict[str, Any]:
+def run_way(way: str, model: Path, lengths: list[int], docs: int,
+            shared_tier: dict[str, Any] | None = None) -> dict[str, Any]:
     """``serve`` in a fresh process (one engine per process, as vLLM runs)."""
     print(f"{way}: a new engine process...", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "kvoffload.impl.testing.ttft", way, str(model), json.dumps(lengths), str(docs),
-           str(directory or "")]
+           json.dumps(shared_tier)]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -126,7 +130,7 @@ def medians(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
 def mismatches(runs: dict[str, dict[str, Any]]) -> list[str]:
     """Every hit whose first token differs from recompute's for the same prompt."""
     truth, wrong = runs["none"]["tokens"], []
-    for way, kind in (("tier", "cpu_tier"), ("shared", "shared_tier")):
+    for way, kind in (("tier", "cpu_tier"), *SHARED_KIND.items()):
         for key, token in runs.get(way, {"tokens": {}})["tokens"].items():
             length_and_doc = key.removeprefix(f"{kind}/")
             if length_and_doc != key and token != truth[f"recompute/{length_and_doc}"]:
@@ -134,7 +138,7 @@ def mismatches(runs: dict[str, dict[str, Any]]) -> list[str]:
     return wrong
 
 
-if __name__ == "__main__":  # one way, in this process: python -m kvoffload.impl.testing.ttft WAY MODEL LENGTHS DOCS DIR
-    way, model, lengths, docs, directory = sys.argv[1:]
-    result = serve(way, Path(model), json.loads(lengths), int(docs), Path(directory) if directory else None)
+if __name__ == "__main__":  # one way here: python -m kvoffload.impl.testing.ttft WAY MODEL LENGTHS DOCS SHARED_TIER
+    way, model, lengths, docs, shared_tier = sys.argv[1:]
+    result = serve(way, Path(model), json.loads(lengths), int(docs), json.loads(shared_tier))
     print("RESULT " + json.dumps(result), flush=True)

@@ -103,7 +103,7 @@ FLEET_SCENARIOS = {
         Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(4), Group()), prefix_caching=False), delay=1,
         engines=2, store=24, store_delay=1),
     "fleet2-threshold2-delayed": Scenario(  # records a get fetches are taken whatever admission says
-        Config(num_gpu_blocks=14, tier_blocks=6, prefix_caching=False, store_threshold=2), delay=1, engines=2,
+        Config(num_gpu_blocks=14, tier_blocks=8, prefix_caching=False, store_threshold=2), delay=1, engines=2,
         store=24),
     "fleet2-dead-store": Scenario(
         Config(num_gpu_blocks=14, tier_blocks=4, prefix_caching=False), delay=1, engines=2, store=8, store_dead=True),

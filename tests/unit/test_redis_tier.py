@@ -62,6 +62,13 @@ def test_another_namespace_never_reads_a_record(server):
         assert read(tier(server, other)) is None
 
 
+def test_a_manifest_set_for_another_namespace_stops_the_attach(server):
+    engine = tier(server)
+    server.client().set(engine._prefix + "manifest", b'{"namespace": "another one"}', xx=True)
+    with pytest.raises(TierError, match="was set for another namespace"):
+        tier(server)
+
+
 def test_a_record_under_another_namespaces_name_is_refused_and_quarantined(server):
     mine, other = tier(server), tier(server, NS.next_epoch())
     other.put([(KEY, payload(1))])
@@ -200,7 +207,7 @@ def test_over_tls_with_the_servers_certificate_checked():
             RedisSettings(url=server.url, username=USER, password=PASSWORD).check()
 
 
-ACL = "resetkeys ~kvoffload:* resetchannels -@all +ping +get +set +exists +del +eval"  # as README.md says
+ACL = "resetkeys ~kvoffload:* resetchannels -@all +ping +getrange +set +exists +del +eval"  # as README.md says
 CLUSTER_ACL = ACL + " +cluster|slots +cluster|shards +command"
 
 
@@ -215,3 +222,34 @@ def test_a_user_limited_as_the_readme_says_can_do_all_the_tier_does():
         engine.delete([KEY])
         assert read(engine) is None
         assert not any(name.startswith("errors") for name in engine.counters), engine.counters
+
+
+def test_a_batch_that_failed_for_the_connector_may_still_be_done_on_the_server(server):
+    """What the world's ``Store.break_connection`` models: a frozen server times the pipeline out (every put
+    dropped for the connector), then, thawed, runs the commands it had received: the records are there."""
+    engine = tier(server, timeout=0.3)
+    server.freeze()
+    try:
+        assert engine.put([(key, payload(key)) for key in range(3)]) == ["dropped:timeout"] * 3
+    finally:
+        server.thaw()
+    deadline = time.monotonic() + 5
+    while engine.exists([0, 1, 2]) != [True] * 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert [read(engine, key) for key in range(3)] == [payload(key) for key in range(3)]
+
+
+def test_the_worlds_broken_connection_does_part_of_a_batch_and_fails_all_of_it():
+    from kvoffload.spec.store import Store
+
+    store = Store(capacity=8)
+    view = store.open(NS, PAYLOAD)
+    store.break_connection(1)
+    assert view.put([(key, payload(key)) for key in range(3)]) == ["dropped:connection"] * 3
+    assert view.exists([0, 1, 2]) == [True, False, False]  # the first was done on the server
+    assert view.put([(1, payload(1))]) == ["stored"]  # the break was for one batch
+    store.break_connection(0)
+    buffers = [memoryview(bytearray(PAYLOAD)) for _ in range(2)]
+    assert view.get([0, 1], buffers) == [False, False] and store.counters["errors_connection"] == 2
+    assert view.get([0], buffers[:1]) == [True]
