@@ -43,6 +43,7 @@ from attrs import field, frozen
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.connection import Encoder, PythonRespSerializer
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from kvoffload.spec.records import Bytes, Namespace, RecordError, RecordKey, check_record, encode_key, header_size, seal
@@ -54,7 +55,6 @@ PREFIX = "kvoffload"
 # copies every command into one buffer first: 2.5x slower for 4 MiB values on a loopback (bench/redis_tier.py).
 # Replies are still parsed by hiredis.
 SENDS_IN_PLACE = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
-SCHEMES = ("redis", "rediss", "unix")
 # Deletes a record only if its value still hashes to what the reader refused (a quarantine never takes the good
 # record a replica wrote since).
 _DELETE_IF_SAME = "if redis.sha1hex(redis.call('GETRANGE', KEYS[1], 0, ARGV[2])) == ARGV[1] then return " \
@@ -114,8 +114,13 @@ class RedisSettings:
 
 @functools.cache
 def connect(settings: RedisSettings) -> redis.Redis | RedisCluster:
-    """One client per server per process: the scheduler's and every epoch's tiers share its connections."""
-    return settings.client()
+    """One client per server per process: the scheduler's and every epoch's tiers share its connections. A cluster
+    client asks a node for the slots as it is made: a cluster that cannot answer is a ``redis.ConnectionError``, like
+    any other server that cannot (and no client is kept: the next call tries again)."""
+    try:
+        return settings.client()
+    except RedisClusterException as error:
+        raise redis.ConnectionError(f"the cluster at {settings.url}: {error}") from error
 
 
 def _reason(error: Exception) -> str:
@@ -150,13 +155,16 @@ class RedisAnswer:
 class RedisTier:
     def __init__(self, settings: RedisSettings, namespace: Namespace, payload_len: int) -> None:
         self.settings, self.namespace, self.payload_len = settings, namespace, payload_len
-        self.client = connect(settings)
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._asks = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-redis-ask")
         self._scratch = threading.local()  # each I/O thread's buffer for the records it puts
         self._prefix = f"{PREFIX}:{namespace.digest.hex()}:"
         self._attach()
+
+    @property
+    def client(self) -> redis.Redis | RedisCluster:
+        return connect(self.settings)
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:

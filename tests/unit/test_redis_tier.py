@@ -253,3 +253,15 @@ def test_the_worlds_broken_connection_does_part_of_a_batch_and_fails_all_of_it()
     buffers = [memoryview(bytearray(PAYLOAD)) for _ in range(2)]
     assert view.get([0, 1], buffers) == [False, False] and store.counters["errors_connection"] == 2
     assert view.get([0], buffers[:1]) == [True]
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_a_tier_opened_while_its_server_is_down_counts_misses_and_drops_and_starts_nothing(cluster):
+    """A worker opens its tier when its first transfer comes, whatever the server's state then."""
+    down = RedisSettings(url=f"redis://127.0.0.1:{redis_server.free_port()}/0", cluster=cluster, timeout=0.3)
+    engine = RedisTier(down, NS, PAYLOAD)
+    assert engine.put([(KEY, payload(1))]) == ["dropped:connection"]
+    assert read(engine) is None and wait(engine.ask([KEY])) == [False]
+    assert engine.counters["errors_connection"] == 3  # the manifest, the get, the check
+    with pytest.raises(TierError, match="shared_tier.url"):
+        down.check()
