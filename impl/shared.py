@@ -8,6 +8,7 @@ like any other transfer.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,6 +67,22 @@ SHARED_COUNTERS = ("shared_hits", "shared_misses", "shared_stored", "shared_pres
                    "shared_quarantined", "shared_errors")
 
 
+_scratch = threading.local()  # each I/O thread's staging buffer for the records it puts or gets
+STAGING_KEPT = 64 << 20  # bytes: the most an I/O thread keeps between transfers
+
+
+def _staging(nbytes: int) -> torch.Tensor:
+    """This thread's staging buffer, at least ``nbytes``: grown when a put or get needs more, reused after (fresh
+    memory for every transfer page-faults as the records pass through it). Valid until the thread's next one. A
+    transfer larger than ``STAGING_KEPT`` gets memory of its own, not kept."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes <= STAGING_KEPT:
+            _scratch.buffer = buffer
+    return buffer[:nbytes]
+
+
 def record_copy(kind: str, store: SharedTier, pool: HostPool, keys: list[Key], rows: list[int],
                 k: int) -> Callable[[], bool]:
     """A put (host rows -> one record per key) or a get (records -> host rows; False, with no row written, unless
@@ -73,13 +90,15 @@ def record_copy(kind: str, store: SharedTier, pool: HostPool, keys: list[Key], r
     index = [torch.tensor(rows[i * k:(i + 1) * k]) for i in range(len(keys))]
     if kind == "put":
         def put() -> bool:  # False if the store dropped a record (counted there): it is not in the store
-            outcomes = store.put([(key, torch.cat([region[i].reshape(-1) for region in pool.regions]).numpy().data)
-                                  for key, i in zip(keys, index)])
+            staged = _staging(len(keys) * k * pool.row_bytes).view(len(keys), k * pool.row_bytes)
+            for payload, i in zip(staged, index):
+                torch.cat([region[i].reshape(-1) for region in pool.regions], out=payload)
+            outcomes = store.put([(key, payload.numpy().data) for key, payload in zip(keys, staged)])
             return not any(outcome.startswith("dropped") for outcome in outcomes)
         return put
 
     def get() -> bool:
-        landing = [torch.empty(k * pool.row_bytes, dtype=torch.uint8) for _ in keys]
+        landing = _staging(len(keys) * k * pool.row_bytes).view(len(keys), k * pool.row_bytes)
         if not all(store.get(keys, [t.numpy().data for t in landing])):
             return False
         for i, payload in zip(index, landing):
