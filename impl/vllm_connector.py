@@ -63,6 +63,10 @@ def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def _is_str(value: object) -> bool:
+    return isinstance(value, str)
+
+
 def _positive_seconds(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
@@ -89,7 +93,6 @@ EXTRA_KEYS = set(EXTRA)
 # keys every backend takes, then each backend's own.
 OPTIONAL = object()
 Check = tuple[Callable[[object], bool], str, object]
-_is_str = (lambda v: isinstance(v, str))  # noqa: E731
 SHARED: dict[str, Check] = {
     "backend": (lambda v: v in SHARED_BACKENDS, "'fs' (a directory; one host, or a shared filesystem) or 'redis' (a "
                 "Redis or Valkey server, or a Redis Cluster)", "fs"),
