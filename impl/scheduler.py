@@ -273,7 +273,7 @@ class OffloadScheduler:
     def _new_transfer(self, state: RequestState | None, kind: TransferKind, keys: list[int], copies: list[Copy],
                       host_rows: list[int]) -> Transfer:
         """A transfer of a request (``state``), or of the tier (None: a put or a get)."""
-        epoch = self.shared.namespace.epoch if self.shared is not None else 0
+        epoch = 0 if state is not None else cast(SharedStore, self.shared).namespace.epoch  # a put's, a get's
         transfer = Transfer(next(self._job_ids), state.request.req_id if state else "", kind, keys, copies, host_rows,
                             epoch=epoch)
         self.unfinished[transfer.job_id] = transfer

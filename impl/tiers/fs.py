@@ -63,13 +63,13 @@ def _fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
-class TimedAnswer:
-    """An existence check, answered when asked (from the index)."""
+class IndexAnswer:
+    """An existence check, answered when asked (from the index): never waited for."""
 
-    __slots__ = ("asked_at", "found")
+    __slots__ = ("found",)
 
     def __init__(self, found: list[bool]) -> None:
-        self.asked_at, self.found = time.monotonic(), found
+        self.found = found
 
     def done(self) -> bool:
         return True
@@ -78,7 +78,7 @@ class TimedAnswer:
         return self.found
 
     def waited(self) -> float:
-        return time.monotonic() - self.asked_at
+        return 0.0
 
 
 class FileTier:
@@ -140,7 +140,7 @@ class FileTier:
         """Which records are there; each one found has its lease renewed (a load of it is likely to follow)."""
         return [self._renew(self.path(key)) for key in keys]
 
-    def ask(self, keys: Sequence[RecordKey]) -> TimedAnswer:
+    def ask(self, keys: Sequence[RecordKey]) -> IndexAnswer:
         """Which records are there, by the index. An index older than ``refresh`` seconds is listed again on an I/O
         thread, the answer given from the one at hand; one older than four periods (an idle spell: replicas may have
         written much since) is listed first, on the spot, if the last listing took at most ``SPOT_LISTING``."""
@@ -156,12 +156,12 @@ class FileTier:
         with self._lock:
             return self._answer(keys)
 
-    def _answer(self, keys: Sequence[RecordKey]) -> TimedAnswer:  # under the lock
+    def _answer(self, keys: Sequence[RecordKey]) -> IndexAnswer:  # under the lock
         index = self._index
         found = [key in index for key in keys]
         if True in found:
             self._renew_later([key for key, there in zip(keys, found) if there])
-        return TimedAnswer(found)
+        return IndexAnswer(found)
 
     def learn(self, keys: Iterable[RecordKey]) -> None:
         """Records this engine's workers published (their puts ran in other processes): in the index at once."""
