@@ -14,47 +14,20 @@ throughput lost where no hit is possible (≥ 0.98).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from kvoffload.impl.testing.convoy import WAYS, WORKLOADS
+from kvoffload.impl.testing.engine_process import EngineProcess
 from kvoffload.impl.testing.ttft import build_prefill_llama
 
 
-class Engine:
+def engine(way: str, model: Path, requests: int, document: int) -> EngineProcess:
     """One way's engine process, asked for a round at a time."""
-
-    def __init__(self, way: str, model: Path, requests: int, document: int) -> None:
-        print(f"{way}: a new engine process...", file=sys.stderr, flush=True)
-        self.way = way
-        self.process = subprocess.Popen([sys.executable, "-m", "kvoffload.impl.testing.convoy", way, str(model),
-                                         str(requests), str(document)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._reply("READY")
-
-    def _reply(self, prefix: str) -> str:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:  # vLLM's own log lines come first
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-        raise RuntimeError(f"the {self.way!r} engine exited (status {self.process.wait()}); its log is above")
-
-    def round(self, kind: str, requests: int, round_no: int, max_tokens: int) -> dict[str, Any]:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"kind": kind, "requests": requests, "round": round_no,
-                                             "max_tokens": max_tokens}) + "\n")
-        self.process.stdin.flush()
-        return json.loads(self._reply("RESULT "))
-
-    def close(self) -> None:
-        if self.process.stdin:
-            self.process.stdin.close()
-        self.process.wait(timeout=120)
+    return EngineProcess(way, "kvoffload.impl.testing.convoy", way, str(model), str(requests), str(document))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.document <= 0 or args.document % 32 or min(args.requests) < 1 or args.rounds < 1:
         parser.error("--document must be a positive multiple of 32; --requests and --rounds at least 1")
     model = build_prefill_llama(args.model_dir)
-    engines = {way: Engine(way, model, max(args.requests), args.document) for way in WAYS}
+    engines = {way: engine(way, model, max(args.requests), args.document) for way in WAYS}
     worst: dict[str, float] = {}
     wrong = []
     print(f"\n{'requests':>8} {'workload':>8} {'none tok/s':>10} {'ours tok/s':>10} {'ratio':>6}   "
@@ -82,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                     run = {}
                     for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
                         time.sleep(0.5)  # the other engine's OpenMP threads stop spinning
-                        run[way] = engines[way].round(kind, n, r, args.max_tokens)
+                        run[way] = engines[way].ask({"kind": kind, "requests": n, "round": r,
+                                                     "max_tokens": args.max_tokens})
                     if run["none"]["outputs"] != run["ours"]["outputs"]:
                         wrong.append(f"{n} requests, {kind}, round {r}")
                     rounds.append(run)

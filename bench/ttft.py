@@ -2,7 +2,9 @@
 and a hit from the shared tier (a directory another engine wrote), one request at a time, over a sweep of document
 lengths, and the first ask of a document while the connector stores it (CPU tier) or puts it too (shared tier); see
 ``kvoffload.impl.testing.ttft`` for how each is measured. Each way runs in its own engine process, one after the
-other in this run; the ratios are of medians at the same length. Every hit's first token is checked against
+other in this run, but the engine without a connector and the one with a CPU tier take turns, document by
+document: a CPU-tier hit's ratios to recompute and to the engine's own hit are medians over documents of ratios
+timed side by side; the other ratios are of medians at the same length. Every hit's first token is checked against
 recompute's, and every prefix-cache reset against vLLM's answer. Last line, at ``--at`` tokens:
 ``ttft_tier_vs_recompute=… ttft_tier_vs_gpu_hit=… ttft_shared_vs_recompute=… ttft_storing_vs_recompute=…
 ttft_putting_vs_recompute=…``.
@@ -20,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvoffload.impl.testing.ttft import REDIS_WAYS, WAYS, build_prefill_llama, medians, mismatches, run_way
+from kvoffload.impl.testing.ttft import REDIS_WAYS, build_prefill_llama, medians, mismatches, paired, run_ways
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,13 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     model = build_prefill_llama(args.model_dir)
     with tempfile.TemporaryDirectory(prefix="kvoffload-ttft-") as directory:
         fs = {"backend": "fs", "path": directory, "bytes": 16 << 30}
-        runs = {way: run_way(way, model, args.lengths, args.docs, fs) for way in WAYS}
+        runs = run_ways(("none", "tier"), model, args.lengths, args.docs)  # taking turns
+        for way in ("writer", "shared"):  # one after the other: the reader starts on what the writer left
+            runs |= run_ways((way,), model, args.lengths, args.docs, fs)
     if args.redis:
         from kvoffload.impl.testing.redis_server import PASSWORD, USER, RedisServer
 
         with RedisServer() as server:
             redis = {"backend": "redis", "url": server.url, "username": USER, "password": PASSWORD}
-            runs |= {way: run_way(way, model, args.lengths, args.docs, redis) for way in REDIS_WAYS}
+            for way in REDIS_WAYS:
+                runs |= run_ways((way,), model, args.lengths, args.docs, redis)
     ttft = medians(runs)
     print(f"\n{'tokens':>7} {'recompute':>10} {'gpu hit':>8} {'cpu tier':>9} {'shared':>8} {'storing':>8} "
           f"{'putting':>8}   {'tier/recomp':>11} {'tier/gpu':>8} {'shared/recomp':>13}   (ms, medians of {args.docs})")
@@ -51,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         row = [ttft[f"{kind}/{n}"] for kind in ("recompute", "gpu_hit", "cpu_tier", "shared_tier",
                                                 "recompute_storing", "recompute_putting")]
         print(f"{n:>7} " + " ".join(f"{s * 1e3:>{w}.1f}" for s, w in zip(row, (10, 8, 9, 8, 8, 8)))
-              + f"   {row[2] / row[0]:>11.3f} {row[2] / row[1]:>8.2f} {row[3] / row[0]:>13.3f}")
+              + f"   {paired(runs, 'cpu_tier', 'recompute', n):>11.3f} {paired(runs, 'cpu_tier', 'gpu_hit', n):>8.2f}"
+              f" {row[3] / row[0]:>13.3f}")
     wrong, resets = mismatches(runs), runs["tier"]["reset_steps"]
     print(f"\nfirst tokens identical to recompute: {'yes' if not wrong else 'NO: ' + '; '.join(wrong)}")
     print(f"prefix-cache resets: {len(resets)}, each confirmed by vLLM after {min(resets)}-{max(resets)} extra "
@@ -69,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"connector, Redis reader: {runs['redis']['stats']}")
         redis_figures = (f" ttft_redis_vs_recompute={ttft[f'redis_tier/{at}'] / ttft[f'recompute/{at}']:.3f}"
                          f" ttft_redis_vs_tier={ttft[f'redis_tier/{at}'] / ttft[f'cpu_tier/{at}']:.3f}")
-    print(f"ttft_tier_vs_recompute={ttft[f'cpu_tier/{at}'] / ttft[f'recompute/{at}']:.3f} "
-          f"ttft_tier_vs_gpu_hit={ttft[f'cpu_tier/{at}'] / ttft[f'gpu_hit/{at}']:.3f} "
+    print(f"ttft_tier_vs_recompute={paired(runs, 'cpu_tier', 'recompute', at):.3f} "
+          f"ttft_tier_vs_gpu_hit={paired(runs, 'cpu_tier', 'gpu_hit', at):.3f} "
           f"ttft_shared_vs_recompute={ttft[f'shared_tier/{at}'] / ttft[f'recompute/{at}']:.3f} "
           f"ttft_storing_vs_recompute={ttft[f'recompute_storing/{at}'] / ttft[f'recompute/{at}']:.3f} "
           f"ttft_putting_vs_recompute={ttft[f'recompute_putting/{at}'] / ttft[f'recompute/{at}']:.3f}"

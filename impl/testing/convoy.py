@@ -17,7 +17,6 @@ round serves another's KV.
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .demo import BLOCK_SIZE, connector_config, make_llm, reset_prefix_cache, scheduler_connector
+from .engine_process import answer_each
 from .ttft import PREFILL_LLAMA
 
 WAYS = ("none", "ours")
@@ -97,11 +97,8 @@ def serve(way: str, model: Path, requests: int, document: int) -> None:
     connector = connector_config(tier_bytes=4 << 30, offload_block_size=BLOCK_SIZE) if way == "ours" else None
     llm = make_llm(model, connector, num_gpu_blocks=requests * per_request + 16,
                    max_model_len=document + QUESTION + 64, memory_share=0.4)
-    print("READY", flush=True)
-    for line in sys.stdin:
-        ask = json.loads(line)
-        result = run_round(llm, way, ask["kind"], ask["requests"], document, ask["round"], ask["max_tokens"])
-        print("RESULT " + json.dumps(result), flush=True)
+    answer_each(lambda ask: run_round(llm, way, ask["kind"], ask["requests"], document, ask["round"],
+                                      ask["max_tokens"]))
 
 
 if __name__ == "__main__":  # python -m kvoffload.impl.testing.convoy WAY MODEL REQUESTS DOCUMENT

@@ -260,12 +260,12 @@ MODELS = {"llama": (build_tiny_llama, "tiny Llama", 48),
 
 def ttft_table(tokens: int, docs: int) -> tuple[str, bool]:
     """Time to first token with and without the connector (``kvoffload.impl.testing.ttft``: each way a fresh engine
-    process, no shadow monitor), on a model whose prefill costs time; and whether every hit's first token was
-    recompute's."""
-    from .ttft import build_prefill_llama, medians, mismatches, run_way
+    process, the two taking turns, no shadow monitor), on a model whose prefill costs time; and whether every hit's
+    first token was recompute's."""
+    from .ttft import build_prefill_llama, medians, mismatches, run_ways
 
     model = build_prefill_llama(Path(".cache/prefill-llama"))
-    runs = {way: run_way(way, model, [tokens], docs) for way in ("none", "tier")}
+    runs = run_ways(("none", "tier"), model, [tokens], docs)
     ms = {kind.split("/")[0]: f"{seconds * 1e3:.0f} ms" for kind, seconds in medians(runs).items()}
     rows = [("first ask (nothing cached)", ms["recompute"], ms["recompute_storing"] + " (and stores it)"),
             ("asked again after a prefix-cache reset", ms["recompute"] + " (recomputed)",

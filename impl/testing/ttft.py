@@ -1,7 +1,9 @@
 """Time to first token on vLLM's CPU engine, one request at a time, on documents long enough that prefill costs time
 (a random Llama of 8 layers, hidden 512): what a user of the connector gains.
 
-Each way runs in a fresh engine process (``serve``), the same documents and questions each time:
+Each way runs in an engine process of its own (``serve``), the same documents and questions each time; ``none``
+and ``tier`` take turns, document by document (``run_ways``), so that a hit and its baseline are timed side by side
+(this machine's speed drifts by tens of percent between runs a minute apart):
 
   * ``none``: no connector. A document with its first question, cold (**recompute**), then with a second question
     (the engine's own **GPU prefix-cache hit**: the limit a tier can approach).
@@ -24,18 +26,17 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from .demo import BLOCK_SIZE, connector_config, drain, make_llm, reset_prefix_cache, save_once, scheduler_connector
+from .engine_process import EngineProcess, answer_each
 
 PREFILL_LLAMA: dict[str, Any] = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
 QUESTION = 17  # tokens after the document: never a whole block, so the document is the part a cache can serve
-WAYS = ("none", "tier", "writer", "shared")
 REDIS_WAYS = ("redis_writer", "redis")
 SHARED_KIND = {"shared": "shared_tier", "redis": "redis_tier"}  # a way that reads a shared tier: what its hit is
 
@@ -67,32 +68,33 @@ def first_token(llm: Any, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - started, done[0].outputs[0].token_ids[0]
 
 
-def serve(way: str, model: Path, lengths: list[int], docs: int, shared_tier: dict[str, Any] | None) -> dict[str, Any]:
-    """One way, in this process: for each length, a warm-up document, then ``docs`` measured ones. A writer's and a
-    reader's connector has ``shared_tier`` too (the CPU tier's stores are put into it)."""
-    max_len = max(lengths) + QUESTION + BLOCK_SIZE
+def serve(way: str, model: Path, max_length: int, shared_tier: dict[str, Any] | None) -> None:
+    """One way's engine, in this process, for documents up to ``max_length`` tokens: measures each document written
+    to stdin (``doc_id``, ``doc``: its requests' seconds and first tokens by what serves its prefix, and the reset
+    it took); ``{"stats": true}`` gets the connector's counters. A writer's and a reader's connector has
+    ``shared_tier`` too (the CPU tier's stores are put into it)."""
+    max_len = max_length + QUESTION + BLOCK_SIZE
     blocks = 2 * (max_len // BLOCK_SIZE) + 16  # two documents' blocks: the GPU prefix cache holds the last one
     connector = None
     if way != "none":
         shared = {"shared_tier": shared_tier} if way not in ("none", "tier") else {}
         connector = connector_config(tier_bytes=4 << 30, offload_block_size=BLOCK_SIZE, **shared)
     llm = make_llm(model, connector, num_gpu_blocks=blocks, max_model_len=max_len, memory_share=0.4)
-    texts = documents(lengths, docs + 1, seed=0)  # the first of each length warms up
-    figures: dict[str, Any] = {"seconds": {}, "tokens": {}, "reset_steps": []}
-    for n in lengths:
-        print(f"  {way}: {n}-token documents", file=sys.stderr, flush=True)
-        for d, doc in enumerate(texts[n]):
-            for kind, (seconds, token) in _ask(way, llm, n * 100 + d, doc, figures["reset_steps"]).items():
-                if d:  # not the warm-up
-                    figures["seconds"].setdefault(f"{kind}/{n}", []).append(seconds)
-                    figures["tokens"][f"{kind}/{n}/{d}"] = token
-    if way.endswith("writer"):
+
+    def handle(work: dict[str, Any]) -> dict[str, Any]:
+        if "stats" in work:
+            return _stats(way, llm) if connector is not None else {}
+        resets: list[int] = []
+        return {"asks": _ask(way, llm, work["doc_id"], work["doc"], resets), "reset_steps": resets}
+    answer_each(handle)
+
+
+def _stats(way: str, llm: Any) -> dict[str, Any]:
+    if way.endswith("writer"):  # its puts end, and are counted
         drain(llm)
-    if connector is not None:
-        stats = scheduler_connector(llm).stats()
-        figures["stats"] = {k: stats[k] for k in ("hit_tokens", "loaded_blocks", "shared_got_blocks", "shared_hits",
-                                                  "shared_stored", "shared_quarantined") if k in stats}
-    return figures
+    stats = scheduler_connector(llm).stats()
+    return {k: stats[k] for k in ("hit_tokens", "loaded_blocks", "shared_got_blocks", "shared_hits", "shared_stored",
+                                  "shared_quarantined") if k in stats}
 
 
 def _ask(way: str, llm: Any, doc_id: int, doc: list[int], resets: list[int]) -> dict[str, tuple[float, int]]:
@@ -109,22 +111,48 @@ def _ask(way: str, llm: Any, doc_id: int, doc: list[int], resets: list[int]) -> 
     return {SHARED_KIND[way]: first_token(llm, doc + question(doc_id, 1))}
 
 
-def run_way(way: str, model: Path, lengths: list[int], docs: int,
-            shared_tier: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``serve`` in a fresh process (one engine per process, as vLLM runs)."""
-    print(f"{way}: a new engine process...", file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "kvoffload.impl.testing.ttft", way, str(model), json.dumps(lengths), str(docs),
-           json.dumps(shared_tier)]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not lines:
-        raise RuntimeError(f"the {way!r} engine failed (exit status {done.returncode}); its log is above")
-    return json.loads(lines[-1][len("RESULT "):])
+def run_ways(ways: tuple[str, ...], model: Path, lengths: list[int], docs: int,
+             shared_tier: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Each way's figures: seconds and first tokens of each kind (``cpu_tier/2048``, a list in document order), the
+    resets' extra steps, the connector's counters. Each way is an engine process of its own; several ways take turns
+    document by document (the first to go alternates), so that each document's figures are timed side by side. For
+    each length, a warm-up document comes first, not counted."""
+    engines = {way: EngineProcess(way, "kvoffload.impl.testing.ttft", way, str(model), str(max(lengths)),
+                                  json.dumps(shared_tier)) for way in ways}
+    figures: dict[str, dict[str, Any]] = {way: {"seconds": {}, "tokens": {}, "reset_steps": []} for way in ways}
+    try:
+        texts = documents(lengths, docs + 1, seed=0)
+        for n in lengths:
+            print(f"  {' and '.join(ways)}: {n}-token documents", file=sys.stderr, flush=True)
+            for d, doc in enumerate(texts[n]):
+                for way in (ways if d % 2 == 0 else ways[::-1]):
+                    if len(ways) > 1:
+                        time.sleep(0.5)  # the other engine's OpenMP threads stop spinning
+                    done = engines[way].ask({"doc_id": n * 100 + d, "doc": doc})
+                    figures[way]["reset_steps"] += done["reset_steps"]
+                    for kind, (seconds, token) in done["asks"].items():
+                        if d:  # not the warm-up
+                            figures[way]["seconds"].setdefault(f"{kind}/{n}", []).append(seconds)
+                            figures[way]["tokens"][f"{kind}/{n}/{d}"] = token
+        for way in ways:
+            figures[way]["stats"] = engines[way].ask({"stats": True})
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return figures
 
 
 def medians(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
     """Median seconds of each kind at each length ("cpu_tier/2048")."""
     return {key: statistics.median(values) for run in runs.values() for key, values in run["seconds"].items()}
+
+
+def paired(runs: dict[str, dict[str, Any]], kind: str, baseline: str, n: int) -> float:
+    """The median over documents of ``kind``'s seconds / ``baseline``'s on the same document, at ``n`` tokens: for
+    ways that took turns, each ratio timed side by side."""
+    def seconds(of: str) -> list[float]:
+        return next(run["seconds"][f"{of}/{n}"] for run in runs.values() if f"{of}/{n}" in run["seconds"])
+    return statistics.median(a / b for a, b in zip(seconds(kind), seconds(baseline), strict=True))
 
 
 def mismatches(runs: dict[str, dict[str, Any]]) -> list[str]:
@@ -138,7 +166,6 @@ def mismatches(runs: dict[str, dict[str, Any]]) -> list[str]:
     return wrong
 
 
-if __name__ == "__main__":  # one way here: python -m kvoffload.impl.testing.ttft WAY MODEL LENGTHS DOCS SHARED_TIER
-    way, model, lengths, docs, shared_tier = sys.argv[1:]
-    result = serve(way, Path(model), json.loads(lengths), int(docs), json.loads(shared_tier))
-    print("RESULT " + json.dumps(result), flush=True)
+if __name__ == "__main__":  # one way here: python -m kvoffload.impl.testing.ttft WAY MODEL MAX_LENGTH SHARED_TIER
+    way, model, max_length, shared_tier = sys.argv[1:]
+    serve(way, Path(model), int(max_length), json.loads(shared_tier))
