@@ -1,11 +1,12 @@
 """The Redis tier's store and load GB/s against redis-py's plain pipelined SET and GET of the same values, on the
 same real redis-server (a loopback port, an ACL user), in the same run.
 
-Ours: ``RedisTier.put`` (seal each record with its xxh3 checksum, one ``SET NX PX`` per record, a pipeline per batch)
-and ``RedisTier.get`` (a pipeline of ``GET``, each value checked and its payload copied into the caller's buffer).
-The baseline: the same records' bytes, ``SET`` and ``GET`` in a pipeline per batch, no format, no check, no copy
-(redis-py as it comes: hiredis packs each command). Side by side a batch at a time, the ratio of each round's sums,
-the median over ``--repeat`` rounds; the server is emptied between rounds.
+Ours: ``RedisTier.put`` (seal each record with its xxh3 checksum, one ``SET NX PX`` per record, a pipeline per
+batch) and ``RedisTier.get`` (a pipeline of ``GETRANGE``, each reply received straight into the caller's buffer,
+then checked). The baseline: the same records' bytes, ``SET`` and ``GET`` in a pipeline per batch, no format, no
+check (redis-py as it comes: hiredis packs each command and parses each reply into a bytes object). Side by side a
+batch at a time, the ratio of each round's sums, the median over ``--repeat`` rounds; the server is emptied between
+rounds.
 
 Last line: ``redis_store_vs_raw=… redis_load_vs_raw=…``, the smallest over the record sizes (goal: ≥ 0.9 from
 256 KiB to 4 MiB).

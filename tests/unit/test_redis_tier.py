@@ -3,6 +3,7 @@ wins, another namespace never reads a record, and every fault an operator's serv
 restart, a frozen server, a wrong password, a value overwritten by another client, maxmemory eviction) is a counted
 miss or a dropped write, never a wrong byte served and never a wait past the timeout."""
 
+import hashlib
 import time
 
 import attrs
@@ -55,6 +56,28 @@ def test_a_record_comes_back_and_a_second_writer_writes_nothing(server):
     assert server.client().ttl(first.name(KEY)) > 0  # every record expires
 
 
+def test_one_batch_reads_hits_misses_bad_values_and_errors_each_for_itself_and_the_connection_stays_in_step(
+        server):
+    """Replies are read off the socket by hand: a miss, a value one byte too long, one too short and one of another
+    type (the server's error) between two records leave every other reply where it belongs, then and next time."""
+    engine, client = tier(server), server.client()
+    assert engine.put([(1, payload(1)), (9, payload(9))]) == ["stored", "stored"]
+    good = client.get(engine.name(1))
+    client.set(engine.name(3), good + b"!")
+    client.set(engine.name(4), good[:-1])
+    client.rpush(engine.name(5), b"a list, not a string")
+    for _batch in range(2):
+        keys = [1, 2, 3, 4, 5, 9]
+        buffers = [bytearray(PAYLOAD) for _ in keys]
+        assert engine.get(keys, list(map(memoryview, buffers))) == [True, False, False, False, False, True]
+        assert bytes(buffers[0]) == payload(1) and bytes(buffers[-1]) == payload(9)
+        assert not client.exists(engine.name(3), engine.name(4))  # quarantined (the digest of what was read)
+        client.set(engine.name(3), good + b"!")  # back for the second batch
+        client.set(engine.name(4), good[:-1])
+    assert engine.counters == {"stored": 2, "hits": 4, "misses": 2, "quarantined_length": 2, "quarantined_short": 2,
+                               "errors_wrongtype": 2}
+
+
 def test_another_namespace_never_reads_a_record(server):
     tier(server).put([(KEY, payload(1))])
     for other in (attrs.evolve(NS, kv_dtype="float8_e4m3fn"), NS.next_epoch(), attrs.evolve(NS, tenant="b"),
@@ -91,12 +114,17 @@ def test_a_value_another_client_overwrote_is_detected_counted_and_deleted(server
     assert writer.put([(KEY, payload(1))]) == ["stored"] and read(reader) == payload(1)
 
 
+def refuse(tier: RedisTier, name: str, value: bytes) -> None:
+    """The tier's quarantine of ``value``, as if that was what it read under ``name``."""
+    tier._quarantine(name, hashlib.sha1(value).hexdigest(), len(value), "checksum")
+
+
 def test_a_quarantine_never_deletes_the_good_record_a_replica_wrote_since(server):
     reader = tier(server)
     reader.put([(KEY, payload(1))])
     client, name = server.client(), reader.name(KEY)
     good = client.get(name)
-    reader._quarantine(name, b"the damaged value this reader refused", "checksum")
+    refuse(reader, name, b"the damaged value this reader refused")
     assert client.get(name) == good
 
 
@@ -218,7 +246,7 @@ def test_a_user_limited_as_the_readme_says_can_do_all_the_tier_does():
         engine = tier(server)
         assert engine.put([(KEY, payload(1))]) == ["stored"] and read(engine) == payload(1)
         assert wait(engine.ask([KEY, 5])) == [True, False]
-        engine._quarantine(engine.name(KEY), b"a value that failed its check", "checksum")
+        refuse(engine, engine.name(KEY), b"a value that failed its check")
         engine.delete([KEY])
         assert read(engine) is None
         assert not any(name.startswith("errors") for name in engine.counters), engine.counters
