@@ -441,6 +441,11 @@ class OffloadScheduler:
         if state.store_lookup is not None and state.store_lookup.get_job == get.job_id:
             state.store_lookup.settled = True
 
+    def has_pending_push_work(self) -> bool:
+        """Transfers in flight, or stores landed since the last plan whose put into the shared store the next plan
+        makes: either needs the engine to step again, requests or none."""
+        return bool(self.unfinished or self._unput)
+
     def request_finished(self, request: RequestView, block_ids: BlockIds) -> bool:
         state = self._state(request.req_id)
         del self.requests[request.req_id]

@@ -583,8 +583,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         """vLLM keeps stepping while this is True, requests or none: a transfer still in flight when the last request
-        finished (a put to the shared tier, most often) is reported, its tier entry unpinned and its bytes counted."""
-        return bool(self.offload.unfinished)
+        finished (a put to the shared tier, most often) is reported, its tier entry unpinned and its bytes counted,
+        and the last request's stores are put into the shared tier (the plan after they land makes the put: without
+        that step, an engine that goes idle kept them from the fleet until its next request)."""
+        return self.offload.has_pending_push_work()
 
     def get_finished_count(self) -> int:
         """Every worker reports every request's finished transfers: vLLM's aggregator waits for all of them,

@@ -108,13 +108,13 @@ def reset_prefix_cache(llm: Any, most_steps: int = 100) -> int:
 
 
 def drain(llm: Any, seconds: float = 60) -> None:
-    """Step the engine until the connector has no transfer in flight (it asks vLLM to step for them:
-    ``has_pending_push_work``), so that the puts to the shared tier end, and are counted, before anyone reads the
-    counters or the process exits."""
-    offload, deadline = scheduler_connector(llm).offload, time.monotonic() + seconds
-    while offload.unfinished:
+    """Step the engine until the connector has no transfer in flight and no put still to make (it asks vLLM to
+    step for them: ``has_pending_push_work``), so that the puts to the shared tier end, and are counted, before
+    anyone reads the counters or the process exits."""
+    connector, deadline = scheduler_connector(llm), time.monotonic() + seconds
+    while connector.has_pending_push_work():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(offload.unfinished)} transfers still in flight after {seconds} s")
+            raise RuntimeError(f"{len(connector.offload.unfinished)} transfers still in flight after {seconds} s")
         llm.llm_engine.step()
 
 

@@ -1,10 +1,15 @@
 """The worker's I/O threads for the shared tier: puts and gets never run in the engine step, and a slow store
-makes puts drop (counted), never the engine wait."""
+makes puts drop (counted), never the engine wait; the scheduler side keeps the engine stepping until its stores are
+put."""
 
 import threading
 import time
 
+from kvoffload.impl import OffloadConnector
 from kvoffload.impl.shared import IOExecutor
+from kvoffload.impl.testing import LayeredKV
+from kvoffload.spec import Config, Executor, World
+from kvoffload.spec.store import Store
 from kvoffload.spec.types import Job
 
 
@@ -39,3 +44,22 @@ def test_a_put_or_get_that_raises_or_finds_nothing_is_a_failed_transfer():
     io.submit(_job(1, "put", lambda: 1 / 0))
     assert sorted(_poll_until(io, 2)) == [(0, False), (1, False)]
     assert io.seconds["get"] > 0 and io.seconds["put"] > 0
+
+
+def test_the_last_requests_stores_keep_the_engine_stepping_until_they_are_put():
+    """The put of stores that landed in a step is made by the next plan: with no request left, the engine must
+    still step for it (``has_pending_push_work``), or an idle engine keeps those blocks from the fleet."""
+    config = Config(num_gpu_blocks=16, block_size=16, offload_block_size=16, tier_blocks=8, token_budget=256)
+    connector, store = OffloadConnector(config), Store(1 << 30)
+    world = World(config, connector, LayeredKV(config.num_gpu_blocks), Executor(delay=0), store=store)
+    request = world.add_request(list(range(40)), 1)  # two full blocks, one token
+    while world.requests:
+        world.step()
+    assert connector.counters["stored_blocks"] == 2 and not connector.unfinished
+    assert connector.has_pending_push_work()  # stored, not put yet
+    steps = 0
+    while connector.has_pending_push_work():
+        world.step()
+        steps += 1
+        assert steps < 10
+    assert {key for _namespace, key in store.records} == set(request.block_hashes[:2])

@@ -58,6 +58,8 @@ def test_a_second_engine_and_a_restarted_one_load_what_the_first_computed(model,
     first = engine(model, tmp_path)
     assert first["outputs"] == expected
     assert first["stats"]["shared_stored"] > 0 and first["stats"]["shared_got_blocks"] == 0
+    # every block stored was put, the last request's too: vLLM stepped for them with no request left
+    assert first["stats"]["shared_put_blocks"] == first["stats"]["stored_blocks"]
     for later in (engine(model, tmp_path), engine(model, tmp_path)):  # another replica; a restart on the same dir
         assert later["outputs"] == expected
         assert later["stats"]["shared_got_blocks"] > 0 and later["stats"]["hit_tokens"] > 0
