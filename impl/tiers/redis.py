@@ -265,6 +265,13 @@ def _read_ranges(server: redis.Redis, names: list[str], ends: list[int], reads: 
         pool.release(connection)
 
 
+def _server(client: redis.Redis | RedisCluster, name: str) -> redis.Redis:
+    """The server that holds ``name``: a cluster's node for its slot."""
+    if isinstance(client, RedisCluster):
+        return client.get_redis_connection(client.get_node_from_key(name))
+    return client
+
+
 class RedisTier:
     def __init__(self, settings: RedisSettings, namespace: Namespace, payload_len: int) -> None:
         self.settings, self.namespace, self.payload_len = settings, namespace, payload_len
@@ -332,8 +339,9 @@ class RedisTier:
         names, ends = list(map(self.name, keys)), [header_size(key) + self.payload_len for key in keys]
         by_server: dict[int, tuple[redis.Redis, list[int]]] = {}
         try:
+            client = self.client
             for i, name in enumerate(names):
-                server = self._server(name)
+                server = _server(client, name)
                 by_server.setdefault(id(server), (server, []))[1].append(i)
         except (redis.RedisError, RedisClusterException) as error:  # a cluster that cannot say where a key lives
             self._failed(redis.ConnectionError(str(error)))
@@ -345,12 +353,6 @@ class RedisTier:
             for i, read in zip(part, reads):
                 found[i] = self._take(keys[i], names[i], read)
         return found
-
-    def _server(self, name: str) -> redis.Redis:
-        client = self.client
-        if isinstance(client, RedisCluster):
-            return client.get_redis_connection(client.get_node_from_key(name))
-        return client
 
     def _take(self, key: RecordKey, name: str, read: _Read) -> bool:
         if read.error is not None:
