@@ -87,10 +87,13 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     def _fleet(self, factory: Callable[[Config], Any], kv_factory: Callable[[int], Any], grouped: bool | None = None,
                shared: bool | None = None) -> Fleet:
-        """The scenario's engines, each built by ``_world``, sharing one store if the scenario has one."""
+        """The scenario's engines, each built by ``_world``, sharing one store if the scenario has one. A factory
+        whose engines share something of their own (vLLM's fs tier: a directory) says so with ``for_fleet()``: the
+        factory of one fleet's engines, asked once per fleet."""
         s = self.scenario
         store = Store(s.store, s.store_delay, up=not s.store_dead) if s.store else None
-        return Fleet(lambda i: self._world(factory, kv_factory, grouped, shared, store, s.identity(i)), s.engines,
+        engines = factory.for_fleet() if hasattr(factory, "for_fleet") else factory
+        return Fleet(lambda i: self._world(engines, kv_factory, grouped, shared, store, s.identity(i)), s.engines,
                      store)
 
     def _world(self, factory: Callable[[Config], Any], kv_factory: Callable[[int], Any], grouped: bool | None,

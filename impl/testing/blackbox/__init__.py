@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import os
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, NamedTuple, Protocol
 
 from kvoffload.spec import (FENCED_FREES, GARBAGE, GROUPS, NULL_BLOCK, REFUSE_STORE, RESET, TRANSFER_FAILURES,
@@ -58,6 +59,14 @@ class Transfers(Protocol):
     def worker_meta(self, job_results: list[tuple[int, bool]]) -> Any: ...
 
 
+class HostSlots(Protocol):
+    """The CPU memory the played worker copies GPU blocks into and out of, by tier slot (a dict by default; the
+    connector's own memory where its tier reads and writes it too)."""
+
+    def __setitem__(self, slot: Hashable, content: int, /) -> None: ...
+    def get(self, slot: Hashable, default: int, /) -> int: ...
+
+
 class Release(Protocol):
     """What one vLLM release's module provides (``vllm_0_32.Release`` and its siblings): the black box's only way
     to touch vLLM. ``vreq`` is that release's ``Request``; block ids are vLLM's (the null block is 0)."""
@@ -88,6 +97,9 @@ class Release(Protocol):
         their layers overlaying one allocation, as vLLM lays out a hybrid model)."""
     def offloading_connector(self, config: Config) -> BlackBox:
         """vLLM's own ``OffloadingConnector`` of this release, sized from the config, in black-box mode."""
+    def tiering_connector(self, config: Config, root: Path, io_delay: int) -> BlackBox:
+        """vLLM's ``OffloadingConnector`` with its ``TieringOffloadingSpec``: the CPU tier sized from the config, its
+        ``fs`` tier on ``root``, whose I/O jobs complete ``io_delay`` steps after they are submitted (``tiering``)."""
     def our_worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
         """Our ``KVOffloadConnector``'s worker metadata for these results (as it travels in this release)."""
 
@@ -130,7 +142,7 @@ class BlackBox:
     """A vLLM connector's scheduler side, plus a played worker side, as a kit adapter."""
 
     def __init__(self, config: Config, connector: Any, transfers: Transfers, vllm: Release,
-                 refuse: Callable[[str], None] | None = None) -> None:
+                 refuse: Callable[[str], None] | None = None, host: HostSlots | None = None) -> None:
         self.config, self.connector, self.reader, self.vllm = config, connector, transfers, vllm
         self.capabilities = frozenset({name for name, on in (
             (FENCED_FREES, transfers.fenced), (REFUSE_STORE, refuse), (TRANSFER_FAILURES, transfers.failures),
@@ -141,11 +153,12 @@ class BlackBox:
         self.pending: dict[int, tuple[Transfer, tuple[Copy, ...]]] = {}  # asked for this step, not submitted
         self.draining: set[str] = set()  # request_finished returned True; not reported in finished_sending yet
         self.submitted: dict[int, Transfer] = {}  # submitted, not polled
-        self.tier: dict[Hashable, int] = {}  # tier slot -> content
+        self.tier: HostSlots = {} if host is None else host  # tier slot -> content: the worker's CPU memory
         self.load_errors: set[int] = set()
         self._kv: ListKV | None = None
         self._executor: Executor | None = None
         self.local_and_tier_hits = 0  # admissions that took a GPU prefix hit and a tier hit on top of it
+        self.tier_io: Any = None  # the I/O of a tier below the CPU, where the kit holds it (``tiering.HeldIO``)
 
     # ---- world -> vLLM ---------------------------------------------------------------------------------------
     def on_new_request(self, req: Request) -> None:
@@ -359,6 +372,83 @@ def vllm_offloading_past_known(config: Config, transfers: Callable[[Transfers], 
     reader = transfers(box.reader) if transfers else box.reader
     refuse = getattr(box, "refuse_next_store", None)  # set where the release's manager can refuse
     return OneResetBetweenSteps(config, box.connector, reader, box.vllm, refuse=refuse)
+
+
+class FilesWipedAtReset(OneResetBetweenSteps):
+    """vLLM's tiering keeps its ``fs`` tier's files across a connector reset, so after a weight update it serves KV
+    computed with the old weights (known divergence 'fs-tier-stale-after-weight-update'). Past it, as an operator
+    would get past it: every block file is removed when the connector is reset (the tier is not told)."""
+
+    root: Path
+
+    def reset_cache(self) -> bool:
+        done = super().reset_cache()
+        for path in self.root.rglob("*.bin"):
+            path.unlink()
+        return done
+
+
+def vllm_tiering_connector(config: Config, io_delay: int = 0, root: Path | None = None) -> BlackBox:
+    """A kit factory: vLLM's ``OffloadingConnector`` with ``TieringOffloadingSpec`` (its CPU tier sized from the
+    config, store refusals injected at it) and the ``fs`` tier on ``root`` (default: a directory of its own, removed
+    at exit), short of the known divergence of resetting twice between steps. See ``tiering``."""
+    from . import tiering
+
+    box = release().tiering_connector(config, root or tiering.new_directory(), io_delay)
+    return _rebox(OneResetBetweenSteps, box)
+
+
+def _rebox(cls: type[BlackBox], box: BlackBox) -> Any:
+    """The same connector, played by another black box."""
+    new = cls(box.config, box.connector, box.reader, box.vllm, getattr(box, "refuse_next_store", None), box.tier)
+    new.tier_io = box.tier_io
+    return new
+
+
+def vllm_tiering_past_known(config: Config, io_delay: int = 0, root: Path | None = None) -> BlackBox:
+    """``vllm_tiering_connector``, short of its known divergences (its files are wiped at a reset)."""
+    from . import tiering
+
+    root = root or tiering.new_directory()
+    past = _rebox(FilesWipedAtReset, vllm_tiering_connector(config, io_delay, root))
+    past.root = root
+    return past
+
+
+def vllm_tiering_fleet(config: Config) -> BlackBox:
+    """A kit factory: ``vllm_tiering_past_known``, and in a fleet every engine's fs tier on one directory."""
+    return vllm_tiering_past_known(config)
+
+
+def _on_one_directory() -> Callable[[Config], BlackBox]:
+    from . import tiering
+
+    return partial(vllm_tiering_past_known, root=tiering.new_directory())
+
+
+vllm_tiering_fleet.for_fleet = _on_one_directory  # type: ignore[attr-defined]
+
+
+class NoWeightUpdates(BlackBox):
+    """A connector that is never reset: it does not declare RESET, so the kit updates no engine's weights."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.capabilities -= {RESET}
+
+
+def vllm_tiering_fleet_past_known(config: Config) -> BlackBox:
+    """``vllm_tiering_fleet`` short of its known divergence: the fs tier has no notion of weights, so engines on one
+    directory must all have the same (known divergence 'fs-tier-shared-across-weights'): no weight updates."""
+    return _rebox(NoWeightUpdates, vllm_tiering_past_known(config))
+
+
+def _on_one_directory_past_known() -> Callable[[Config], BlackBox]:
+    one = _on_one_directory()
+    return lambda config: _rebox(NoWeightUpdates, one(config))
+
+
+vllm_tiering_fleet_past_known.for_fleet = _on_one_directory_past_known  # type: ignore[attr-defined]
 
 
 def kvoffload_connector(config: Config, name: str = "KVOffloadConnector",

@@ -1,18 +1,29 @@
 """The hunt: a vLLM connector through the kit over a grid of configurations, one line per configuration.
 
-``python -m kvoffload.impl.testing.blackbox [--connector vllm|ours] [--past-known] [--examples N] [--groups 4,full
-...]``, against
-the installed vLLM. ``--groups`` runs models of several KV cache groups: each argument lists a model's groups, a
-sliding window's size in tokens or ``full``, each optionally with ``@`` and its own block size (``8@4,full``)."""
+``python -m kvoffload.impl.testing.blackbox [--connector vllm|ours|tiering|tiering-fleet] [--past-known]
+[--examples N] [--groups 4,full ...]``, against the installed vLLM. ``tiering`` is vLLM's ``TieringOffloadingSpec``
+with its fs tier on a directory of its own, ``tiering-fleet`` three engines with their fs tiers on one directory.
+``--groups`` runs models of several KV cache groups: each argument lists a model's groups, a sliding window's size
+in tokens or ``full``, each optionally with ``@`` and its own block size (``8@4,full``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from kvoffload.spec import Config, Violation
 from kvoffload.spec.groups import parse_groups
 
-from . import kvoffload_connector, vllm_offloading_connector, vllm_offloading_past_known
+from . import (BlackBox, kvoffload_connector, vllm_offloading_connector, vllm_offloading_past_known,
+               vllm_tiering_connector, vllm_tiering_fleet, vllm_tiering_fleet_past_known, vllm_tiering_past_known)
+
+Factory = Callable[[Config], BlackBox]
+FACTORIES: dict[str, tuple[Factory, Factory]] = {  # --connector: (as it is, short of its known divergences)
+    "vllm": (vllm_offloading_connector, vllm_offloading_past_known),
+    "ours": (kvoffload_connector, kvoffload_connector),
+    "tiering": (vllm_tiering_connector, vllm_tiering_past_known),
+    "tiering-fleet": (vllm_tiering_fleet, vllm_tiering_fleet_past_known),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,11 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     from kvoffload.spec.kit import Scenario, run_conformance
 
     parser = argparse.ArgumentParser(description="vLLM connectors through the kvoffload kit, in black-box mode")
-    parser.add_argument("--connector", choices=("vllm", "ours"), default="vllm",
-                        help="vLLM's OffloadingConnector, or our KVOffloadConnector")
+    parser.add_argument("--connector", choices=tuple(FACTORIES), default="vllm",
+                        help="vLLM's OffloadingConnector, our KVOffloadConnector, or vLLM's tiering with its fs tier "
+                             "(one engine, or three on one directory)")
     parser.add_argument("--past-known", action="store_true",
-                        help="drive vLLM's connector short of its known divergences (one reset between steps), "
-                             "so that they do not hide other findings")
+                        help="drive vLLM's connector short of its known divergences (one reset between steps; for "
+                             "tiering, files wiped at a reset, a CPU tier that holds a prefix whole, and in a fleet "
+                             "no weight updates), so that they do not hide other findings")
     parser.add_argument("--profile", default="nightly", help="Hypothesis profile (pr, nightly, mutation)")
     parser.add_argument("--examples", type=int, default=150, help="programs per configuration")
     parser.add_argument("--chunk-blocks", type=int, nargs="+", default=[1, 2, 3], help="GPU blocks per CPU chunk")
@@ -38,15 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traces", type=Path, default=Path("kvoffload-traces"))
     args = parser.parse_args(argv)
     logging.getLogger("vllm").setLevel(logging.ERROR)  # the hunt's own lines, not vLLM's warnings
-    factory = kvoffload_connector if args.connector == "ours" else (
-        vllm_offloading_past_known if args.past_known else vllm_offloading_connector)
-    grid = list(itertools.product(args.groups, args.chunk_blocks, (0, 1, 3), (1, 3, 8), (True, False),
-                                  ("lru", "arc")))
+    factory = FACTORIES[args.connector][args.past_known]
+    tiering = args.connector.startswith("tiering")
+    # a CPU tier below tiering's fs tier holds a prompt's prefix whole, short of a known divergence
+    tiers = (7, 8, 12) if tiering and args.past_known else (1, 3, 8)
+    grid = list(itertools.product(args.groups, args.chunk_blocks, (0, 1, 3), tiers, (True, False), ("lru", "arc")))
     findings: dict[str, list[str]] = {}  # by kind: safety, liveness, connector error, ...
     for n, (groups, k, delay, tier, prefix_caching, policy) in enumerate(grid, 1):
         config = Config(num_gpu_blocks=9 * (len(groups) + 1), offload_block_size=2 * k, tier_blocks=tier,
                         prefix_caching=prefix_caching, policy=policy, groups=groups)  # groups share the GPU pool
-        scenario, start = Scenario(config, delay=delay, failures=args.connector == "ours"), time.perf_counter()
+        scenario = Scenario(config, delay=delay, failures=args.connector == "ours",
+                            engines=3 if args.connector == "tiering-fleet" else 1)
+        start = time.perf_counter()
         trace = args.traces / f"{args.connector}-{n}.jsonl"
         try:
             coverage = run_conformance(factory, scenario, profile=args.profile, trace=trace,

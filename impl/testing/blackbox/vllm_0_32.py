@@ -24,7 +24,7 @@ from vllm.v1.request import RequestStatus
 
 from kvoffload.spec import Config, SchedulerOutput, require
 
-from . import NULL_BLOCKS, BlackBox, Transfer
+from . import NULL_BLOCKS, BlackBox, Transfer, tiering
 
 STATUS = {"running": RequestStatus.RUNNING, "preempted": RequestStatus.PREEMPTED,
           "aborted": RequestStatus.FINISHED_ABORTED, "stopped": RequestStatus.FINISHED_STOPPED}
@@ -157,10 +157,24 @@ class Release:
         """vLLM's ``OffloadingConnector`` with its real CPU manager, sized from the config (``k`` GPU blocks per CPU
         chunk, ``tier_blocks`` chunks, eviction ``policy``), store refusals injected at its manager
         (the manager contract: None means no room), for the request its ``ReqContext`` names."""
+        connector, refuse = self._offloading(config, {})
+        return BlackBox(config, connector, OffloadingTransfers(config.k), self, refuse=refuse)
+
+    def tiering_connector(self, config: Config, root: Path, io_delay: int) -> BlackBox:
+        connector, refuse = self._offloading(config, {"spec_name": "TieringOffloadingSpec",
+                                                      "secondary_tiers": [tiering.fs_tier_config(root)]})
+        region, io = tiering.take_over(connector, io_delay)
+        box = BlackBox(config, connector, OffloadingTransfers(config.k), self, refuse=refuse, host=region)
+        box.tier_io = io
+        return box
+
+    def _offloading(self, config: Config, spec: dict[str, Any]) -> tuple[Any, Callable[[str], None]]:
+        """The ``OffloadingConnector`` over ``spec`` (its spec's extra config), its CPU tier sized from the config,
+        and how to make its manager refuse a request's next store."""
         align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
         connector = self.create(config, "OffloadingConnector", None, lambda block_bytes: {
             "cpu_bytes_to_use": -(-block_bytes * config.k // align) * align * config.tier_blocks,
-            "eviction_policy": config.policy, "blocks_per_chunk": config.k})  # k blocks of each group's own size
+            "eviction_policy": config.policy, "blocks_per_chunk": config.k, **spec})  # k blocks of each group's size
         manager = connector.scheduler.manager
         prepare_store = manager.prepare_store
         refusing: set[str] = set()
@@ -172,7 +186,7 @@ class Release:
             return prepare_store(keys, req_context, *args, **kwargs)
 
         manager.prepare_store = prepare_or_refuse
-        return BlackBox(config, connector, OffloadingTransfers(config.k), self, refuse=refusing.add)
+        return connector, refusing.add
 
     def our_worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
         from kvoffload.impl.vllm_connector import KVOffloadWorkerMetadata

