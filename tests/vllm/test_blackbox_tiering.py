@@ -134,3 +134,15 @@ def test_a_fleet_factory_is_asked_once_per_fleet_for_its_engines():
     machine().restart_engine(engine=1)
     machine()
     assert [len(fleet) for fleet in roots] == [3, 2] and len(set(roots[0])) == 1 and set(roots[0]) != set(roots[1])
+
+
+def test_the_hunt_runs_fleets_on_one_directory(tmp_path, capsys):
+    """``python -m kvoffload.impl.testing.blackbox --connector tiering-fleet --past-known``: three engines on one
+    directory per configuration, CPU tiers that hold a prefix whole (one program each here)."""
+    from kvoffload.impl.testing.blackbox.__main__ import main
+    assert main(["--connector", "tiering-fleet", "--past-known", "--profile", "pr", "--examples", "1",
+                 "--chunk-blocks", "1", "--traces", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "36 of 36 configurations passed"
+    assert all(" tier=7 " in line or " tier=8 " in line or " tier=12 " in line for line in lines[:-1])
+    assert all("engines=3" in line and ": ok" in line for line in lines[:-1]) and len(lines) == 37

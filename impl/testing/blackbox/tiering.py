@@ -22,6 +22,7 @@ import struct
 import tempfile
 import weakref
 from collections import Counter, deque
+from functools import cache
 from pathlib import Path
 from typing import Any, Callable, Hashable, cast
 
@@ -159,12 +160,14 @@ def _let_go_of_file(mapped: Any) -> None:
     mapped.fd, mapped._creator = None, False
 
 
-_DIRECTORIES = tempfile.TemporaryDirectory(prefix="kvoffload-fs-tiers-")  # removed at exit
+@cache
+def _directories() -> tempfile.TemporaryDirectory[str]:
+    return tempfile.TemporaryDirectory(prefix="kvoffload-fs-tiers-")  # removed at exit
 
 
 def new_directory() -> Path:
     """A fresh directory for one fs tier (or one fleet's)."""
-    return Path(tempfile.mkdtemp(dir=_DIRECTORIES.name))
+    return Path(tempfile.mkdtemp(dir=_directories().name))
 
 
 def _shut_down(manager: Any, region: SharedRegion) -> None:

@@ -161,5 +161,8 @@ class Release:
         box = BlackBox(config, connector, OffloadingTransfers(config.k), self, refuse=refusing.add)
         return box
 
+    def tiering_connector(self, config: Config, root: Path, io_delay: int) -> BlackBox:
+        raise NotImplementedError("vLLM's tiering (TieringOffloadingSpec) ships with vLLM 0.32 and later")
+
     def our_worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
         raise NotImplementedError("our KVOffloadConnector needs vLLM 0.32 or later (worker metadata, KV cache config)")
