@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Iterable, cast
 
-from .types import NULL_BLOCK, Key, Observation, WorkerOutput, group_key
+from .types import NULL_BLOCK, POOL_STORE, Key, Observation, WorkerOutput, group_key
 
 if TYPE_CHECKING:
     from .kit.coverage import Coverage
@@ -147,6 +147,8 @@ def store_bytes(world: World, job: Job, kv: GpuKV) -> None:
     bug's drift), reads a block already rewritten for another request, a block whose last tokens are not computed
     yet, or a rejected draft's KV, would put foreign bytes under the key. Only keys the engine has hashed exist.
     """
+    if job.req_id == POOL_STORE:
+        return pool_store_bytes(world, job, kv)
     req, k = world.history[job.req_id], world.config.k
     keys = {group_key(h, g): (i, g) for g in range(len(world.groups)) for i, h in enumerate(req.block_hashes)}
     for block, key, sub in job.copies:
@@ -161,6 +163,18 @@ def store_bytes(world: World, job: Job, kv: GpuKV) -> None:
                  f"step {world.step_no}: store job {job.job_id} of {job.req_id} reads GPU block {block} for "
                  f"position {block_hash // m}" + (f" of group {group}" if group else "")
                  + ", but the block holds other bytes")
+
+
+def pool_store_bytes(world: World, job: Job, kv: GpuKV) -> None:
+    """SRC for a store of cached blocks (PINS): each block is in the prefix cache under the key it is stored under,
+    and holds that key's bytes."""
+    for block, key, sub in job.copies:
+        _require(sub == 0 and world.pool.hash_of.get(block) == key, "SRC",
+                 f"step {world.step_no}: store job {job.job_id} stores GPU block {block} under key {key:#x} (index "
+                 f"{sub}), not under the key the prefix cache holds it under")
+        _require(kv.holds(block, world.kv_of(key, job.epoch)), "SRC",
+                 f"step {world.step_no}: store job {job.job_id} reads GPU block {block}, cached under key {key:#x}, "
+                 f"but the block holds other bytes")
 
 
 def not_in_flight(world: World, block: int, action: str, kinds: tuple[str, ...] = ("store", "load")) -> None:
@@ -348,6 +362,19 @@ def release(world: World) -> None:
     _require(not world.delayed, "RELEASE",
              f"step {world.step_no}: delayed frees of {sorted(world.delayed)} never released, with no transfer "
              f"left in flight")
+    held = world.pinned() if world.pins and not world.open_jobs else {}  # with jobs open, QUIESCE says which
+    _require(not held, "RELEASE", f"step {world.step_no}: the connector still holds GPU blocks {sorted(held)} after "
+                                  f"draining, with no transfer left in flight: the engine lost them for good")
+
+
+def pins(world: World) -> None:
+    """REF — a connector that holds GPU blocks itself (PINS) frees only what it holds.
+
+    Prevents a block going back to the free queue while a request still holds it: it would be reused under the
+    request, and its KV overwritten by another prefix's.
+    """
+    freed = sorted(b for b, n in world.pinned().items() if n < 0)
+    _require(not freed, "REF", f"step {world.step_no}: the connector freed GPU blocks {freed}, which it did not hold")
 
 
 def quiesce(world: World, obs: Observation | None) -> None:

@@ -245,9 +245,17 @@ NULL_BLOCK = -1  # in a block table: a block the sliding window freed, or never 
 # for a namespace by ``open``); ``namespace`` is the engine's KV identity (``records.Namespace``), this worker's
 # shard on a worker side. Without it, the kit runs every engine of a fleet with its own tier only.
 SHARED = "shared_tier"
-CAPABILITIES = (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET, GROUPS, SHARED)
+# A protocol, not an extra: bind_gpu_block_pool(pool) hands the connector the engine's ``memory.BlockPool``, and it
+# holds the GPU blocks its transfers use by reference there (``take``, then ``release``: vLLM's ``touch`` and
+# ``free_blocks``; SimpleCPUOffloadConnector does this). A block it holds is not reused, whoever else freed it, so it
+# may finish a request with stores in flight, and store blocks no request holds any more: a store of cached blocks
+# names no request (``POOL_STORE``). FINISH and the ownership half of SRC then do not apply; the bytes each store
+# reads are checked, it never frees what it does not hold (REF), and after draining it holds nothing (RELEASE).
+PINS = "pins"
+POOL_STORE = ""  # the request of a store of cached GPU blocks, no request's (PINS): each copied under its own key
+CAPABILITIES = (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET, GROUPS, SHARED, PINS)
 CAPABILITY_METHODS = {OBSERVE: "observe", REFUSE_STORE: "refuse_next_store", RESET: "reset_cache",
-                      SHARED: "attach_shared_tier"}
+                      SHARED: "attach_shared_tier", PINS: "bind_gpu_block_pool"}
 
 
 # The methods those capabilities promise, for code that has checked the capability (``capabilities_of``).
@@ -267,6 +275,10 @@ class Shareable(Protocol):
     def attach_shared_tier(self, open: Callable[[Namespace, int], SharedTier], namespace: Namespace) -> None:
         """``open(namespace, payload bytes)``: the store's records of one namespace."""
         ...
+
+
+class Pinning(Protocol):
+    def bind_gpu_block_pool(self, pool: Any) -> None: ...  # the engine's ``memory.BlockPool``
 
 
 class Grouped(Protocol):

@@ -48,9 +48,9 @@ from .memory import PARTIAL, BlockPool
 from .records import Namespace
 from .requests import Request, State, continuation, extend_block_hashes, kv_content
 from .store import Store
-from .types import (CONNECTOR_METHODS, FENCED_FREES, NULL_BLOCK, Connector, Event, GpuKV, Grouped, Job, Observable,
-                    Observation, Resettable, ScheduledRequest, SchedulerOutput, Shareable, WorkerOutput, group_key,
-                    key_index)
+from .types import (CONNECTOR_METHODS, FENCED_FREES, NULL_BLOCK, PINS, Connector, Event, GpuKV, Grouped, Job,
+                    Observable, Observation, Pinning, Resettable, ScheduledRequest, SchedulerOutput, Shareable,
+                    WorkerOutput, group_key, key_index)
 
 @define
 class StepOutput:
@@ -73,9 +73,12 @@ class World:
     executor: Executor = field(factory=Executor)  # worker 0's
     pool: BlockPool = field()
     observable: bool = False  # the connector has observe(): check TRACK, REF, CURSOR too
-    # the connector frees under in-flight stores and flushes them before reuse (it declares types.FENCED_FREES)
-    fenced: bool = field(default=Factory(lambda world: FENCED_FREES in getattr(world.connector, "capabilities", ()),
+    # the connector frees under in-flight stores and flushes them before reuse (it declares types.FENCED_FREES), or
+    # holds their blocks itself (types.PINS)
+    fenced: bool = field(default=Factory(lambda world: bool({FENCED_FREES, PINS} & world.capabilities),
                                          takes_self=True))
+    # the connector holds GPU blocks in the pool itself (types.PINS)
+    pins: bool = field(default=Factory(lambda world: PINS in world.capabilities, takes_self=True))
     grouped: bool = False  # the connector takes one block table per KV cache group (types.GROUPS)
     store: Store | None = None  # the store this engine's fleet shares (the connector declared SHARED)
     identity: int = 0  # the engine's model (0: the default one): engines of other identities compute other KV
@@ -151,8 +154,20 @@ class World:
             return cast(Grouped, self.connector).request_finished(req, tuple(map(list, req.tables)))
         return self.connector.request_finished(req, list(req.tables[0]))
 
+    @property
+    def capabilities(self) -> frozenset[str]:
+        return frozenset(getattr(self.connector, "capabilities", ()))
+
     def __attrs_post_init__(self) -> None:
         self._join(self.connector, self.kv, self.executor)
+        if self.pins:
+            cast(Pinning, self.connector).bind_gpu_block_pool(self.pool)
+
+    def pinned(self) -> Counter[int]:
+        """The references the connector holds in the pool itself (PINS), by block: all it holds beyond the requests'
+        (negative: it freed what it did not hold)."""
+        held = Counter(b for r in (*self.requests.values(), *self.delayed.values()) for b in r.blocks)
+        return Counter({b: refs - held[b] for b, refs in enumerate(self.pool.refs) if refs != held[b]})
 
     def add_worker(self, connector: Connector, kv: GpuKV) -> None:
         """Another tensor-parallel worker: its own shard of every block, its own transfers, every job reported."""
@@ -207,8 +222,10 @@ class World:
         """An RL loop's weight update: vLLM's ``reset_prefix_cache(reset_running_requests=True,
         reset_connector=True)`` preempts every running request, drops the GPU prefix cache and resets the
         connector; KV computed before it is wrong after it. Refused (False), as vLLM refuses it, while blocks are
-        held by anything but a running request (a load, a loaded request not yet running, a delayed free)."""
-        if self.delayed or any(r.blocks and r.state is not State.RUNNING for r in self.requests.values()):
+        held by anything but a running request (a load, a loaded request not yet running, a delayed free, the
+        connector itself: PINS)."""
+        if self.delayed or any(r.blocks and r.state is not State.RUNNING for r in self.requests.values()) \
+                or self.pins and self.pinned():
             return False
         while self.running:
             self._preempt(self.running.pop(), drop_in_flight=True)
@@ -654,6 +671,8 @@ class World:
         """The state invariants, after any rule."""
         invariants.content(self)
         invariants.jobs(self)
+        if self.pins:
+            invariants.pins(self)
         if self.observable:
             obs = self.observe()
             invariants.ref(self, obs)

@@ -5,12 +5,13 @@
     print(coverage)
 
 ``factory(config)`` returns an adapter: the ``Connector`` method set plus ``capabilities``, a set of names from
-``kvoffload.spec.types`` (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET). A rule or invariant that
-needs a capability the adapter does not declare is skipped, and every skip is reported with its reason (a warning,
-and in the returned ``Coverage``). Level "exact" also runs the spec connector in a twin world fed the same rules and
-requires identical worlds and observations after every engine step. A failure is raised shrunk as a ``Violation``
-(an exception the connector raised itself as its subclass ``ConnectorError``), with the spec version in its message;
-with ``trace=`` its program is also written as JSON Lines (replay: ``python -m kvoffload.spec.kit.trace FILE``).
+``kvoffload.spec.types`` (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET, PINS, ...). A rule or
+invariant that needs a capability the adapter does not declare is skipped, and every skip is reported with its
+reason (a warning, and in the returned ``Coverage``). Level "exact" also runs the spec connector in a twin world fed
+the same rules and requires identical worlds and observations after every engine step. A failure is raised shrunk
+as a ``Violation`` (an exception the connector raised itself as its subclass ``ConnectorError``), with the spec
+version in its message; with ``trace=`` its program is also written as JSON Lines (replay:
+``python -m kvoffload.spec.kit.trace FILE``).
 
 One concern per module: ``profiles`` (Hypothesis settings), ``strategies``, ``scenario`` (scenarios, capabilities,
 what each rule needs), ``coverage``, ``machine`` (the state machine), ``runners`` (``run_conformance``), ``trace``

@@ -19,7 +19,7 @@ from ..connector import SpecConnector
 from ..fleet import Fleet
 from ..groups import FULL_ATTENTION
 from ..invariants import ConnectorError, Violation
-from ..types import FENCED_FREES, GROUPS, OBSERVE, REFUSE_STORE, RESET, SHARED, TRANSFER_FAILURES, Refusable
+from ..types import FENCED_FREES, GROUPS, OBSERVE, PINS, REFUSE_STORE, RESET, SHARED, TRANSFER_FAILURES, Refusable
 from ..executor import Executor
 from ..memory import ListKV
 from ..store import Store
@@ -36,7 +36,7 @@ Rule = TypeVar("Rule", bound=Callable[..., None])
 # on what it emits (black-box mode checks each job's blocks), and are then counted on the invariants line.
 OBSERVED = declare("TRACK, REF, CURSOR on the connector's own state", OBSERVE,
                    note="no tracked tables, cursors, tier to read")
-DELAYED_FREES = declare("FINISH, SRC ownership", unless=FENCED_FREES, note="its stores' bytes are checked")
+DELAYED_FREES = declare("FINISH, SRC ownership", unless=(FENCED_FREES, PINS), note="its stores' bytes are checked")
 WEIGHT_UPDATES = declare("reset_prefix_cache(reset_connector=True)", RESET,
                          note="vLLM would serve stale KV after a weight update")
 BROKEN_LOADS = declare("broken_loads", TRANSFER_FAILURES, mode="broken_loads")

@@ -93,7 +93,7 @@ class Need:
     capability: str | None = None  # the adapter must declare it
     switch: str | None = None  # a Scenario field that must be on; off, the report lists it under "off"
     mode: str | None = None  # a Scenario field: the check exists only when the scenario turns it on (off is no gap)
-    unless: str | None = None  # a capability that, declared, replaces the check
+    unless: tuple[str, ...] = ()  # capabilities that, declared, replace the check
     note: str = ""  # what is lost without it, added to the reason
 
     def gap(self, declared: frozenset[str], scenario: Scenario) -> tuple[Literal["off", "skipped"], str] | None:
@@ -106,8 +106,9 @@ class Need:
             return None  # not asked for: nothing is lost
         if self.capability and self.capability not in declared:
             return "skipped", f"the adapter does not declare '{self.capability}'{note}"
-        if self.unless and self.unless in declared:
-            return "skipped", f"the adapter declares '{self.unless}'{note}"
+        replaced_by = sorted(set(self.unless) & declared)
+        if replaced_by:
+            return "skipped", f"the adapter declares '{replaced_by[0]}'{note}"
         return None
 
     def met(self, declared: frozenset[str], scenario: Scenario) -> bool:

@@ -2,7 +2,7 @@
 
 from attrs import evolve
 
-from kvoffload.spec import CONNECTOR_METHODS, FENCED_FREES, Config, SpecConnector
+from kvoffload.spec import CONNECTOR_METHODS, FENCED_FREES, PINS, Config, SpecConnector
 from kvoffload.spec.kit import Scenario
 
 # Stores in flight at finishes (delay), a tier small enough to refuse, failures on.
@@ -109,3 +109,41 @@ class NeverReleases(DelaysFrees):
 
     def get_finished(self, finished_req_ids):
         return evolve(super().get_finished(finished_req_ids), finished_sending=frozenset())
+
+
+class HoldsStoredBlocks(SpecConnector):
+    """The third free protocol (PINS), vLLM's SimpleCPUOffloadConnector's: the spec connector, holding the GPU blocks
+    of every store it plans in the engine's pool until the store is reported. It frees at once, and needs no fence."""
+
+    capabilities = SpecConnector.capabilities - {FENCED_FREES} | {PINS}
+
+    def bind_gpu_block_pool(self, pool) -> None:
+        self.pool, self.holding = pool, {}
+
+    def build_connector_meta(self, scheduler_output):
+        plan = super().build_connector_meta(scheduler_output)
+        for t in plan.stores:
+            self.holding[t.job_id] = [block for block, _key, _sub in t.copies]
+            self.pool.take(self.holding[t.job_id])
+        return plan
+
+    def update_connector_output(self, output) -> None:
+        super().update_connector_output(output)
+        for job_id, _success in output.job_results:
+            self.pool.release(self.holding.pop(job_id, []))
+
+
+class KeepsStoredBlocks(HoldsStoredBlocks):
+    """Never frees the blocks it held: the engine loses them."""
+
+    def update_connector_output(self, output) -> None:
+        SpecConnector.update_connector_output(self, output)
+
+
+class FreesStoredBlocksTwice(HoldsStoredBlocks):
+    """Frees each store's blocks twice: a block a request still holds goes back to the free queue."""
+
+    def update_connector_output(self, output) -> None:
+        for job_id, _success in output.job_results:
+            self.pool.release(list(self.holding.get(job_id, [])))
+        super().update_connector_output(output)

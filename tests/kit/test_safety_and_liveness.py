@@ -7,8 +7,8 @@ from kvoffload.spec import SpecConnector, Violation
 from kvoffload.spec.invariants import LIVENESS, SAFETY
 from kvoffload.spec.kit import make_machine, run_conformance
 
-from .connectors import (SCENARIO, DelaysEveryFree, DelaysFrees, ForgetsDelayedFrees, ForgetsTheFence, NeverReleases,
-                         RaisesAtFinish)
+from .connectors import (SCENARIO, DelaysEveryFree, DelaysFrees, ForgetsDelayedFrees, ForgetsTheFence,
+                         FreesStoredBlocksTwice, HoldsStoredBlocks, KeepsStoredBlocks, NeverReleases, RaisesAtFinish)
 
 
 def test_a_connector_that_delays_every_free_is_safe_and_its_delay_is_reported():
@@ -65,3 +65,18 @@ def test_a_free_waits_for_both_the_connector_and_a_load_in_flight():
     state.step(n=4)
     state.invariants_hold()
     state.teardown()
+
+
+def test_a_connector_that_holds_its_stores_blocks_frees_at_once_and_must_free_what_it_held():
+    """PINS: the engine's pool is bound to the connector, whose references keep a finished request's blocks from
+    reuse until its stores are reported; FINISH does not apply. Holding blocks for good is RELEASE, freeing what it
+    did not hold is REF."""
+    coverage = run_conformance(HoldsStoredBlocks, SCENARIO, profile="pr")
+    assert coverage.invariants["REF"] and coverage.invariants["RELEASE"] and "FINISH" not in coverage.invariants
+    assert "declares 'pins'" in coverage.skipped["FINISH, SRC ownership"]
+    with pytest.raises(Violation) as keeps:
+        run_conformance(KeepsStoredBlocks, SCENARIO, profile="pr")
+    assert keeps.value.finding == "RELEASE" and "still holds GPU blocks" in str(keeps.value)
+    with pytest.raises(Violation) as twice:
+        run_conformance(FreesStoredBlocksTwice, SCENARIO, profile="pr")
+    assert twice.value.finding == "REF" and "which it did not hold" in str(twice.value)
