@@ -27,9 +27,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, NamedTuple, Protocol
 
-from kvoffload.spec import (FENCED_FREES, GARBAGE, GROUPS, NULL_BLOCK, REFUSE_STORE, RESET, TRANSFER_FAILURES,
-                            BlockIds, Config, Copy, Event, Executor, Job, ListKV, Request, SchedulerOutput, State,
-                            TransferKind, WorkerOutput, group_key, key_index, registered, require)
+from attrs import evolve
+
+from kvoffload.spec import (FENCED_FREES, GARBAGE, GROUPS, NULL_BLOCK, PINS, POOL_STORE, REFUSE_STORE, RESET,
+                            TRANSFER_FAILURES, BlockIds, BlockPool, Config, Copy, Event, Executor, Job, Key, ListKV,
+                            Request, SchedulerOutput, State, TransferKind, WorkerOutput, group_key, key_index,
+                            registered, require)
 
 NULL_BLOCKS = 1  # vLLM's block 0 is the null block: world block b is vLLM block b + 1
 SUPPORTED = ("0.32", "0.33", "0.11")  # a module vllm_<major>_<minor> each
@@ -88,6 +91,10 @@ class Release(Protocol):
         """Whether the connector overrides the base class's ``reset_cache`` (which does nothing)."""
     def hybrid(self, connector: Any) -> bool:
         """Whether the connector supports hybrid models (vLLM's ``SupportsHMA``): tables come one per group."""
+    def pins(self, connector: Any) -> bool:
+        """Whether the connector takes the engine's GPU block pool (``bind_gpu_block_pool``): PINS."""
+    def gpu_block_pool(self, pool: BlockPool, box: BlackBox) -> Any:
+        """The world's pool as this release's ``BlockPool`` is read and changed (``simple_cpu.WorldBlockPool``)."""
     def request_finished(self, connector: Any, vreq: Any, tables: list[list[int]]) -> bool:
         """``request_finished`` as the scheduler calls it: every group's table for a ``SupportsHMA`` connector,
         else the one table; whether the free is delayed."""
@@ -97,6 +104,8 @@ class Release(Protocol):
         their layers overlaying one allocation, as vLLM lays out a hybrid model)."""
     def offloading_connector(self, config: Config) -> BlackBox:
         """vLLM's own ``OffloadingConnector`` of this release, sized from the config, in black-box mode."""
+    def simple_cpu_connector(self, config: Config, lazy: bool) -> BlackBox:
+        """vLLM's ``SimpleCPUOffloadConnector``, its CPU tier of ``tier_blocks`` blocks, eager or lazy."""
     def tiering_connector(self, config: Config, root: Path, io_delay: int) -> BlackBox:
         """vLLM's ``OffloadingConnector`` with its ``TieringOffloadingSpec``: the CPU tier sized from the config, its
         ``fs`` tier on ``root``, whose I/O jobs complete ``io_delay`` steps after they are submitted (``tiering``)."""
@@ -146,7 +155,7 @@ class BlackBox:
         self.config, self.connector, self.reader, self.vllm = config, connector, transfers, vllm
         self.capabilities = frozenset({name for name, on in (
             (FENCED_FREES, transfers.fenced), (REFUSE_STORE, refuse), (TRANSFER_FAILURES, transfers.failures),
-            (RESET, vllm.resets(connector)), (GROUPS, vllm.hybrid(connector))) if on})
+            (RESET, vllm.resets(connector)), (GROUPS, vllm.hybrid(connector)), (PINS, vllm.pins(connector))) if on})
         if refuse:
             self.refuse_next_store = refuse
         self.seen: dict[str, tuple[Request, Any]] = {}  # world request, vLLM request
@@ -159,6 +168,9 @@ class BlackBox:
         self._executor: Executor | None = None
         self.local_and_tier_hits = 0  # admissions that took a GPU prefix hit and a tier hit on top of it
         self.tier_io: Any = None  # the I/O of a tier below the CPU, where the kit holds it (``tiering.HeldIO``)
+        self.pool: BlockPool | None = None  # the world's GPU block pool, bound to a connector that holds blocks (PINS)
+        self.hash_pairs: dict[Key, tuple[Any, int, int]] = {}  # world key -> vLLM hash, group, tokens to block end
+        self.world_hashes: dict[Any, int] = {}  # vLLM block hash -> the world's
 
     # ---- world -> vLLM ---------------------------------------------------------------------------------------
     def on_new_request(self, req: Request) -> None:
@@ -175,7 +187,34 @@ class BlackBox:
         for token in req.tokens[vreq.num_tokens:req.num_tokens]:  # the tokens the engine has seen
             vreq.append_output_token_ids(token)
         vreq.num_computed_tokens = req.num_computed_tokens
+        vreq.num_output_placeholders = req.num_placeholders  # async scheduling: tokens scheduled, not sampled yet
+        if self.pool is not None:
+            self._pair_hashes(req, vreq)
         return vreq
+
+    def _pair_hashes(self, req: Request, vreq: Any) -> None:
+        """Learn which vLLM block hash is which world hash (the same tokens give both), in every group."""
+        for j, (world_hash, vllm_hash) in enumerate(zip(req.block_hashes, vreq.block_hashes)):
+            if vllm_hash not in self.world_hashes:
+                self.world_hashes[vllm_hash] = world_hash
+                for g in range(len(req.tables)):
+                    self.hash_pairs[group_key(world_hash, g)] = (vllm_hash, g, (j + 1) * self.config.block_size)
+
+    def vllm_key(self, key: Key) -> tuple[Any, int, int]:
+        """A world key of the prefix cache in vLLM's terms: its block hash, group, and tokens up to its block's
+        end (a request that sampled since it was last scheduled is caught up first)."""
+        if key not in self.hash_pairs:
+            for req, _vreq in self.seen.values():
+                self._vllm(req)
+        return self.hash_pairs[key]
+
+    def world_key(self, vllm_hash: Any, g: int) -> Key | None:
+        world_hash = self.world_hashes.get(vllm_hash)
+        return None if world_hash is None else group_key(world_hash, g)
+
+    def holder(self, block: int, req_ids: list[str]) -> str | None:
+        """Which of these requests' block tables holds a GPU block (vLLM's id)."""
+        return next((r for r in req_ids if r in self.seen and block - NULL_BLOCKS in self.seen[r][0].blocks), None)
 
     def _scheduler_output(self, out: SchedulerOutput) -> Any:
         for s in out.scheduled:
@@ -218,6 +257,8 @@ class BlackBox:
         stored too far ahead: CURSOR. (A drifted table often also reaches unhashed positions; naming it CURSOR hid
         the cause.) In a hybrid model each group is checked against its own table; a job that does not say a
         block's group gets the group whose table holds it."""
+        if t.req_id == POOL_STORE:
+            return self._cached_copies(t)
         (req, vreq), k = self.seen[t.req_id], self.config.k
         blocks = [b - NULL_BLOCKS for b in t.gpu_blocks]
         claims = f"{t.kind} job {t.job_id} of {t.req_id}"
@@ -254,6 +295,21 @@ class BlackBox:
                 copies.append((i, (block, group_key(req.block_hashes[last], g), position % k)))
         return tuple(copy for _i, copy in sorted(copies))
 
+    def _cached_copies(self, t: Transfer) -> tuple[Copy, ...]:
+        """A store of cached GPU blocks, no request's (PINS): each one the connector holds, in the prefix cache, copied
+        under its own key."""
+        pool, copies = self.pool, []
+        if pool is None:
+            raise RuntimeError(f"store job {t.job_id} names no request, but no GPU block pool was bound (PINS)")
+        for block in (b - NULL_BLOCKS for b in t.gpu_blocks):
+            require(block != NULL_BLOCK and pool.refs[block] > 0, "SRC", f"store job {t.job_id} reads GPU block "
+                                                                          f"{block}, which nothing holds: it may be "
+                                                                          f"reused before the copy runs")
+            require(block in pool.hash_of, "CURSOR", f"store job {t.job_id} stores GPU block {block}, which is not in "
+                                                     f"the prefix cache: its tokens are not all computed")
+            copies.append((block, pool.hash_of[block], 0))
+        return tuple(copies)
+
     def _block_sizes(self, tables: list[list[int]]) -> tuple[int, ...]:
         """Tokens per block of each of the world's tables: the model's groups, or its one group."""
         return self.config.block_sizes if len(tables) > 1 else (self.config.block_size,)
@@ -280,6 +336,10 @@ class BlackBox:
 
     def reset_cache(self) -> bool:
         return self.connector.reset_cache() is not False  # vLLM treats None as done
+
+    def bind_gpu_block_pool(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.connector.bind_gpu_block_pool(self.vllm.gpu_block_pool(pool, self))
 
     def take_events(self) -> list[Event]:
         list(self.connector.take_events())  # its keys are vLLM's hashes: drained, not compared
@@ -386,6 +446,24 @@ class FilesWipedAtReset(OneResetBetweenSteps):
         for path in self.root.rglob("*.bin"):
             path.unlink()
         return done
+
+
+def vllm_simple_cpu_connector(config: Config) -> BlackBox:
+    """A kit factory: vLLM's ``SimpleCPUOffloadConnector`` of the installed release, eager (it stores each
+    request's blocks as they are computed), its CPU tier of ``tier_blocks`` blocks. See ``simple_cpu``."""
+    return release().simple_cpu_connector(config, lazy=False)
+
+
+def vllm_simple_cpu_lazy(config: Config) -> BlackBox:
+    """A kit factory: vLLM's ``SimpleCPUOffloadConnector`` with ``lazy_offload``: it stores cached blocks from the
+    GPU free queue before they are evicted."""
+    return release().simple_cpu_connector(config, lazy=True)
+
+
+def vllm_simple_cpu_lazy_past_known(config: Config) -> BlackBox:
+    """``vllm_simple_cpu_lazy`` short of its known divergence ('lazy-offload-never-quiesces'): its CPU tier holds
+    every GPU block, so the blocks it stores from the free queue never evict each other there."""
+    return vllm_simple_cpu_lazy(evolve(config, tier_blocks=max(config.tier_blocks, config.num_gpu_blocks)))
 
 
 def vllm_tiering_connector(config: Config, io_delay: int = 0, root: Path | None = None) -> BlackBox:

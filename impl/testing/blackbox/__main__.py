@@ -1,8 +1,11 @@
 """The hunt: a vLLM connector through the kit over a grid of configurations, one line per configuration.
 
-``python -m kvoffload.impl.testing.blackbox [--connector vllm|ours|tiering|tiering-fleet] [--past-known]
-[--examples N] [--groups 4,full ...]``, against the installed vLLM. ``tiering`` is vLLM's ``TieringOffloadingSpec``
-with its fs tier on a directory of its own, ``tiering-fleet`` three engines with their fs tiers on one directory.
+``python -m kvoffload.impl.testing.blackbox [--connector vllm|ours|tiering|tiering-fleet|simple-cpu|simple-cpu-lazy]
+[--past-known] [--examples N] [--groups 4,full ...]``, against the installed vLLM. ``tiering`` is vLLM's
+``TieringOffloadingSpec`` with its fs tier on a directory of its own, ``tiering-fleet`` three engines with their fs
+tiers on one directory, ``simple-cpu`` vLLM's ``SimpleCPUOffloadConnector`` (``-lazy``: with ``lazy_offload``; it
+copies one GPU block per CPU block and needs the GPU prefix cache, so its grid has neither chunks nor
+``prefix_caching`` off, and one eviction policy: its own).
 ``--groups`` runs models of several KV cache groups: each argument lists a model's groups, a sliding window's size
 in tokens or ``full``, each optionally with ``@`` and its own block size (``8@4,full``)."""
 
@@ -15,7 +18,8 @@ from kvoffload.spec import Config, Violation
 from kvoffload.spec.groups import parse_groups
 
 from . import (BlackBox, kvoffload_connector, vllm_offloading_connector, vllm_offloading_past_known,
-               vllm_tiering_connector, vllm_tiering_fleet, vllm_tiering_fleet_past_known, vllm_tiering_past_known)
+               vllm_simple_cpu_connector, vllm_simple_cpu_lazy, vllm_simple_cpu_lazy_past_known, vllm_tiering_connector,
+               vllm_tiering_fleet, vllm_tiering_fleet_past_known, vllm_tiering_past_known)
 
 Factory = Callable[[Config], BlackBox]
 FACTORIES: dict[str, tuple[Factory, Factory]] = {  # --connector: (as it is, short of its known divergences)
@@ -23,6 +27,8 @@ FACTORIES: dict[str, tuple[Factory, Factory]] = {  # --connector: (as it is, sho
     "ours": (kvoffload_connector, kvoffload_connector),
     "tiering": (vllm_tiering_connector, vllm_tiering_past_known),
     "tiering-fleet": (vllm_tiering_fleet, vllm_tiering_fleet_past_known),
+    "simple-cpu": (vllm_simple_cpu_connector, vllm_simple_cpu_connector),
+    "simple-cpu-lazy": (vllm_simple_cpu_lazy, vllm_simple_cpu_lazy_past_known),
 }
 
 
@@ -37,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description="vLLM connectors through the kvoffload kit, in black-box mode")
     parser.add_argument("--connector", choices=tuple(FACTORIES), default="vllm",
-                        help="vLLM's OffloadingConnector, our KVOffloadConnector, or vLLM's tiering with its fs tier "
-                             "(one engine, or three on one directory)")
+                        help="vLLM's OffloadingConnector, our KVOffloadConnector, vLLM's tiering with its fs tier "
+                             "(one engine, or three on one directory), or vLLM's SimpleCPUOffloadConnector (eager "
+                             "or lazy)")
     parser.add_argument("--past-known", action="store_true",
                         help="drive vLLM's connector short of its known divergences (one reset between steps; for "
                              "tiering, files wiped at a reset, a CPU tier that holds a prefix whole, and in a fleet "
-                             "no weight updates), so that they do not hide other findings")
+                             "no weight updates; for lazy SimpleCPU, a CPU tier as large as the GPU's), so that they "
+                             "do not hide other findings")
     parser.add_argument("--profile", default="nightly", help="Hypothesis profile (pr, nightly, mutation)")
     parser.add_argument("--examples", type=int, default=150, help="programs per configuration")
     parser.add_argument("--chunk-blocks", type=int, nargs="+", default=[1, 2, 3], help="GPU blocks per CPU chunk")
@@ -55,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     tiering = args.connector.startswith("tiering")
     # a CPU tier below tiering's fs tier holds a prompt's prefix whole, short of a known divergence
     tiers = (7, 8, 12) if tiering and args.past_known else (1, 3, 8)
-    grid = list(itertools.product(args.groups, args.chunk_blocks, (0, 1, 3), tiers, (True, False), ("lru", "arc")))
+    simple = args.connector.startswith("simple-cpu")
+    grid = list(itertools.product(args.groups, (1,) if simple else args.chunk_blocks, (0, 1, 3), tiers,
+                                  (True,) if simple else (True, False), ("lru",) if simple else ("lru", "arc")))
     findings: dict[str, list[str]] = {}  # by kind: safety, liveness, connector error, ...
     for n, (groups, k, delay, tier, prefix_caching, policy) in enumerate(grid, 1):
         config = Config(num_gpu_blocks=9 * (len(groups) + 1), offload_block_size=2 * k, tier_blocks=tier,

@@ -119,6 +119,12 @@ class Release:
     def hybrid(self, connector: Any) -> bool:
         return False  # 0.11 has no SupportsHMA
 
+    def pins(self, connector: Any) -> bool:
+        return False  # 0.11 binds no GPU block pool to a connector
+
+    def gpu_block_pool(self, pool: Any, box: BlackBox) -> Any:
+        raise NotImplementedError("vLLM 0.11 binds no GPU block pool to a connector")
+
     def request_finished(self, connector: Any, vreq: Any, tables: list[list[int]]) -> bool:
         (block_ids,) = tables
         return bool(connector.request_finished(vreq, block_ids)[0])
@@ -163,6 +169,9 @@ class Release:
 
     def tiering_connector(self, config: Config, root: Path, io_delay: int) -> BlackBox:
         raise NotImplementedError("vLLM's tiering (TieringOffloadingSpec) ships with vLLM 0.32 and later")
+
+    def simple_cpu_connector(self, config: Config, lazy: bool) -> BlackBox:
+        raise NotImplementedError("SimpleCPUOffloadConnector ships with vLLM 0.32 and later")
 
     def our_worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
         raise NotImplementedError("our KVOffloadConnector needs vLLM 0.32 or later (worker metadata, KV cache config)")

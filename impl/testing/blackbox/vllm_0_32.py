@@ -22,9 +22,9 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request as VllmRequest
 from vllm.v1.request import RequestStatus
 
-from kvoffload.spec import Config, SchedulerOutput, require
+from kvoffload.spec import Config, ConfigError, SchedulerOutput, require
 
-from . import NULL_BLOCKS, BlackBox, Transfer, tiering
+from . import NULL_BLOCKS, BlackBox, Transfer, simple_cpu, tiering
 
 STATUS = {"running": RequestStatus.RUNNING, "preempted": RequestStatus.PREEMPTED,
           "aborted": RequestStatus.FINISHED_ABORTED, "stopped": RequestStatus.FINISHED_STOPPED}
@@ -135,6 +135,12 @@ class Release:
     def hybrid(self, connector: Any) -> bool:
         return supports_hma(connector)
 
+    def pins(self, connector: Any) -> bool:
+        return type(connector).bind_gpu_block_pool is not KVConnectorBase_V1.bind_gpu_block_pool
+
+    def gpu_block_pool(self, pool: Any, box: BlackBox) -> Any:
+        return simple_cpu.WorldBlockPool(pool, box.vllm_key, box.world_key)
+
     def request_finished(self, connector: Any, vreq: Any, tables: list[list[int]]) -> bool:
         if self.hybrid(connector):
             return bool(connector.request_finished_all_groups(vreq, tuple(tables))[0])
@@ -159,6 +165,18 @@ class Release:
         (the manager contract: None means no room), for the request its ``ReqContext`` names."""
         connector, refuse = self._offloading(config, {})
         return BlackBox(config, connector, OffloadingTransfers(config.k), self, refuse=refuse)
+
+    def simple_cpu_connector(self, config: Config, lazy: bool) -> BlackBox:
+        """Its CPU pool holds ``tier_blocks`` blocks besides its null block; it needs ``Config.k`` 1."""
+        if config.k != 1:
+            raise ConfigError(f"SimpleCPUOffloadConnector copies one GPU block per CPU block: k must be 1, not "
+                              f"{config.k}")
+        connector = self.create(config, "SimpleCPUOffloadConnector", None, lambda block_bytes: {
+            "cpu_bytes_to_use": block_bytes * (config.tier_blocks + 1), "lazy_offload": lazy})
+        reader = simple_cpu.SimpleCPUTransfers()
+        box = BlackBox(config, connector, reader, self)
+        reader.holder = box.holder
+        return box
 
     def tiering_connector(self, config: Config, root: Path, io_delay: int) -> BlackBox:
         connector, refuse = self._offloading(config, {"spec_name": "TieringOffloadingSpec",
