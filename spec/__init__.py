@@ -12,7 +12,7 @@ from .config import BlockIdError, Config, ConfigError, UnknownRequestError, regi
 from .groups import Group
 from .connector import SpecConnector
 from .invariants import SPEC_VERSION, Violation, require
-from .types import (CAPABILITIES, CONNECTOR_METHODS, FENCED_FREES, GROUPS, NULL_BLOCK, OBSERVE, PINS, POOL_STORE,
+from .types import (CAPABILITIES, CONNECTOR_METHODS, FENCED_FREES, FILES, GROUPS, NULL_BLOCK, OBSERVE, PINS, POOL_STORE,
                     REFUSE_STORE, RESET, TRANSFER_FAILURES, Adapter, BlockIds, Connector, Copy, Event, GpuKV, Job, Key,
                     Observation, RequestView, ScheduledRequest, SchedulerOutput, TransferKind, TransferPlan,
                     WorkerOutput, group_key, key_index, offload_keys)
@@ -22,7 +22,7 @@ from .requests import Request, State
 from .world import World
 
 __all__ = [
-    "CAPABILITIES", "CONNECTOR_METHODS", "FENCED_FREES", "GARBAGE", "GROUPS", "NULL_BLOCK", "OBSERVE", "PINS",
+    "CAPABILITIES", "CONNECTOR_METHODS", "FENCED_FREES", "FILES", "GARBAGE", "GROUPS", "NULL_BLOCK", "OBSERVE", "PINS",
     "POOL_STORE", "REFUSE_STORE", "RESET", "TRANSFER_FAILURES", "Group", "group_key",
     "Adapter", "BlockIds", "BlockPool",
     "SPEC_VERSION", "BlockIdError", "Config", "ConfigError", "Connector", "Copy", "Event", "Executor", "GpuKV", "Job",

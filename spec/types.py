@@ -253,9 +253,16 @@ SHARED = "shared_tier"
 # reads are checked, it never frees what it does not hold (REF), and after draining it holds nothing (RELEASE).
 PINS = "pins"
 POOL_STORE = ""  # the request of a store of cached GPU blocks, no request's (PINS): each copied under its own key
-CAPABILITIES = (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET, GROUPS, SHARED, PINS)
+# file_fault(index, how): the connector keeps KV in files of its own below its CPU tier, which the world does not
+# model (vLLM's fs tier). The next file it reads is removed ("vanish": a cleanup, another replica) or torn ("torn":
+# its writer was killed mid-write) after it was found and before it is read (``index`` picks one of the files read
+# together), or its next file job is slow ("slow": a congested disk, ``index`` saying how slow; the jobs behind it
+# wait). The world is not told: what the connector cannot read back it must recompute, and what it cannot write in
+# time it may drop. Only where the scenario turns ``file_faults`` on.
+FILES = "files"
+CAPABILITIES = (OBSERVE, REFUSE_STORE, TRANSFER_FAILURES, FENCED_FREES, RESET, GROUPS, SHARED, PINS, FILES)
 CAPABILITY_METHODS = {OBSERVE: "observe", REFUSE_STORE: "refuse_next_store", RESET: "reset_cache",
-                      SHARED: "attach_shared_tier", PINS: "bind_gpu_block_pool"}
+                      SHARED: "attach_shared_tier", PINS: "bind_gpu_block_pool", FILES: "file_fault"}
 
 
 # The methods those capabilities promise, for code that has checked the capability (``capabilities_of``).
@@ -279,6 +286,10 @@ class Shareable(Protocol):
 
 class Pinning(Protocol):
     def bind_gpu_block_pool(self, pool: Any) -> None: ...  # the engine's ``memory.BlockPool``
+
+
+class KeepsFiles(Protocol):
+    def file_fault(self, index: int, how: str) -> None: ...
 
 
 class Grouped(Protocol):

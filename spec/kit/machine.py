@@ -19,7 +19,8 @@ from ..connector import SpecConnector
 from ..fleet import Fleet
 from ..groups import FULL_ATTENTION
 from ..invariants import ConnectorError, Violation
-from ..types import FENCED_FREES, GROUPS, OBSERVE, PINS, REFUSE_STORE, RESET, SHARED, TRANSFER_FAILURES, Refusable
+from ..types import (FENCED_FREES, FILES, GROUPS, OBSERVE, PINS, REFUSE_STORE, RESET, SHARED, TRANSFER_FAILURES,
+                     KeepsFiles, Refusable)
 from ..executor import Executor
 from ..memory import ListKV
 from ..store import Store
@@ -336,6 +337,20 @@ class FleetMachine(ConformanceMachine):
                     store.restart(keep=event == "restart")
 
 
+class FileFaults(ConformanceMachine):
+    """The rule of a scenario with file faults. ``make_machine`` adds it only there, so that the programs of every
+    other scenario stay what they were."""
+
+    @needs(FILES, mode="file_faults")
+    @rule(i=st.integers(0, 63), how=st.sampled_from(["vanish", "torn", "slow"]))
+    def file_fault(self, i: int, how: str) -> None:
+        """The next file engine ``i`` reads from below its CPU tier vanishes (a cleanup, another replica) or is torn
+        (its writer was killed mid-write) between its lookup and its read, or its next file job is slow (a congested
+        disk). The world is not told: what the connector cannot read back, it must recompute."""
+        with self._rule("file_fault", i=i, how=how):
+            cast(KeepsFiles, self.fleets[0].engine(i).connector).file_fault(i, how)
+
+
 def make_machine(factory: Callable[[Config], Any], scenario: Scenario = DEFAULT_SCENARIO, level: Level = "invariants",
                  kv_factory: Callable[[int], Any] = ListKV, name: str | None = None) -> type[ConformanceMachine]:
     """A ConformanceMachine subclass bound to one adapter and one scenario (its ``TestCase`` runs it in pytest).
@@ -343,7 +358,11 @@ def make_machine(factory: Callable[[Config], Any], scenario: Scenario = DEFAULT_
     Every such machine is named ``Conformance`` unless ``name`` says otherwise: a derandomized profile seeds
     Hypothesis from the machine's name, and the programs a profile runs must not depend on what the factory is
     called (the trace names the adapter)."""
-    base = FleetMachine if scenario.engines > 1 or scenario.store else ConformanceMachine
+    base: type[ConformanceMachine] = FleetMachine if scenario.engines > 1 or scenario.store else ConformanceMachine
+    if scenario.file_faults:
+        if level == "exact":  # the spec's twin keeps no files: it would load what the subject must recompute
+            raise ValueError("file faults change what the connector can load: check them at level 'invariants'")
+        base = type(base.__name__, (FileFaults, base), {}) if base is FleetMachine else FileFaults
     guarded = {rule for rule in GUARDED if hasattr(base, rule) and NEEDS[rule].met_mode(scenario)}
     attrs = dict(factory=staticmethod(factory), kv_factory=staticmethod(kv_factory), scenario=scenario, level=level,
                  coverage=Coverage(guarded=guarded))

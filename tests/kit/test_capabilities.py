@@ -3,6 +3,7 @@
 import warnings
 
 import pytest
+from attrs import evolve
 
 from kvoffload.spec import OBSERVE, Config, SpecConnector
 from kvoffload.spec.groups import Group
@@ -71,8 +72,25 @@ def test_what_the_scenario_turns_off_is_reported_without_a_warning():
 
 def test_skips_come_from_what_each_rule_and_check_declares():
     everything = Scenario(Config(groups=(Group(4), Group())), delay=1, failures=True, broken_loads=True, engines=2,
-                          store=8, restarts=True)
+                          store=8, restarts=True, file_faults=True)
     skipped, off = skipped_by(frozenset(), everything)
     assert set(skipped) == {name for name, need in NEEDS.items() if need.capability} and not off
     assert NEEDS["refuse_next_store"].capability == "refuse_store"
     assert set(skipped_by(frozenset(), Scenario())[1]) == {name for name, need in NEEDS.items() if need.switch}
+
+
+def test_file_faults_are_a_rule_of_their_scenario_only():
+    """Other scenarios' programs stay what they were: the rule is not in their machine at all. Where the scenario
+    asks for file faults, an adapter that keeps no files has the rule skipped, with the reason."""
+    assert not hasattr(make_machine(DelaysFrees, SCENARIO), "file_fault")
+    faults = evolve(SCENARIO, file_faults=True)
+    assert hasattr(make_machine(DelaysFrees, faults), "file_fault")
+    assert hasattr(make_machine(DelaysFrees, evolve(faults, engines=2)), "route_requests")
+    with pytest.warns(SkippedRule, match="file_fault: the adapter does not declare 'files'"):
+        coverage = run_conformance(DelaysFrees, faults, profile="pr", max_examples=5)
+    assert coverage.rules["file_fault"] == 0 and "file_faults" not in str(coverage.off)
+
+
+def test_file_faults_are_checked_at_the_invariants_level():
+    with pytest.raises(ValueError, match="file faults change what the connector can load"):
+        make_machine(DelaysFrees, evolve(SCENARIO, file_faults=True), level="exact")
