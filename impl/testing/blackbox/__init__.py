@@ -29,10 +29,13 @@ from typing import Any, Callable, Hashable, Iterator, NamedTuple, Protocol
 
 from attrs import evolve
 
-from kvoffload.spec import (FENCED_FREES, GARBAGE, GROUPS, NULL_BLOCK, PINS, POOL_STORE, REFUSE_STORE, RESET,
+from kvoffload.spec import (FENCED_FREES, FILES, GARBAGE, GROUPS, NULL_BLOCK, PINS, POOL_STORE, REFUSE_STORE, RESET,
                             TRANSFER_FAILURES, BlockIds, BlockPool, Config, Copy, Event, Executor, Job, Key, ListKV,
                             Request, SchedulerOutput, State, TransferKind, WorkerOutput, group_key, key_index,
                             registered, require)
+
+from . import tiering
+from .tiering import HeldIO
 
 NULL_BLOCKS = 1  # vLLM's block 0 is the null block: world block b is vLLM block b + 1
 SUPPORTED = ("0.32", "0.33", "0.11")  # a module vllm_<major>_<minor> each
@@ -75,6 +78,9 @@ class Release(Protocol):
     to touch vLLM. ``vreq`` is that release's ``Request``; block ids are vLLM's (the null block is 0)."""
 
     version: str  # "0.32"
+    # its CPU tier's LRU can starve a request waiting for promotions (known divergence
+    # 'fs-tier-waiting-request-evicts-its-own-prefix')
+    lru_starves: bool
 
     def request(self, req_id: str, prompt: list[int], max_tokens: int, block_size: int) -> Any:
         """A vLLM request whose ``block_hashes`` follow its tokens, as the engine hashes them."""
@@ -106,9 +112,10 @@ class Release(Protocol):
         """vLLM's own ``OffloadingConnector`` of this release, sized from the config, in black-box mode."""
     def simple_cpu_connector(self, config: Config, lazy: bool) -> BlackBox:
         """vLLM's ``SimpleCPUOffloadConnector``, its CPU tier of ``tier_blocks`` blocks, eager or lazy."""
-    def tiering_connector(self, config: Config, root: Path, io_delay: int) -> BlackBox:
+    def tiering_connector(self, config: Config, root: Path, io_delay: int, backpressure: bool = False) -> BlackBox:
         """vLLM's ``OffloadingConnector`` with its ``TieringOffloadingSpec``: the CPU tier sized from the config, its
-        ``fs`` tier on ``root``, whose I/O jobs complete ``io_delay`` steps after they are submitted (``tiering``)."""
+        ``fs`` tier on ``root``, whose I/O jobs complete ``io_delay`` steps after they are submitted, with vLLM's
+        back-pressure detector on the kit's clock if asked (``tiering``)."""
     def our_worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
         """Our ``KVOffloadConnector``'s worker metadata for these results (as it travels in this release)."""
 
@@ -151,11 +158,13 @@ class BlackBox:
     """A vLLM connector's scheduler side, plus a played worker side, as a kit adapter."""
 
     def __init__(self, config: Config, connector: Any, transfers: Transfers, vllm: Release,
-                 refuse: Callable[[str], None] | None = None, host: HostSlots | None = None) -> None:
+                 refuse: Callable[[str], None] | None = None, host: HostSlots | None = None,
+                 tier_io: HeldIO | None = None) -> None:
         self.config, self.connector, self.reader, self.vllm = config, connector, transfers, vllm
         self.capabilities = frozenset({name for name, on in (
             (FENCED_FREES, transfers.fenced), (REFUSE_STORE, refuse), (TRANSFER_FAILURES, transfers.failures),
-            (RESET, vllm.resets(connector)), (GROUPS, vllm.hybrid(connector)), (PINS, vllm.pins(connector))) if on})
+            (RESET, vllm.resets(connector)), (GROUPS, vllm.hybrid(connector)), (PINS, vllm.pins(connector)),
+            (FILES, tier_io)) if on})
         if refuse:
             self.refuse_next_store = refuse
         self.seen: dict[str, tuple[Request, Any]] = {}  # world request, vLLM request
@@ -167,7 +176,7 @@ class BlackBox:
         self._kv: ListKV | None = None
         self._executor: Executor | None = None
         self.local_and_tier_hits = 0  # admissions that took a GPU prefix hit and a tier hit on top of it
-        self.tier_io: Any = None  # the I/O of a tier below the CPU, where the kit holds it (``tiering.HeldIO``)
+        self.tier_io = tier_io  # the I/O of a file tier below the CPU, where the kit holds it (FILES)
         self.pool: BlockPool | None = None  # the world's GPU block pool, bound to a connector that holds blocks (PINS)
         self.hash_pairs: dict[Key, tuple[Any, int, int]] = {}  # world key -> vLLM hash, group, tokens to block end
         self.world_hashes: dict[Any, int] = {}  # vLLM block hash -> the world's
@@ -337,6 +346,10 @@ class BlackBox:
     def reset_cache(self) -> bool:
         return self.connector.reset_cache() is not False  # vLLM treats None as done
 
+    def file_fault(self, index: int, how: str) -> None:
+        assert self.tier_io is not None, "a black box without a file tier declares no FILES"
+        self.tier_io.fault_next(index, how)
+
     def bind_gpu_block_pool(self, pool: BlockPool) -> None:
         self.pool = pool
         self.connector.bind_gpu_block_pool(self.vllm.gpu_block_pool(pool, self))
@@ -466,31 +479,36 @@ def vllm_simple_cpu_lazy_past_known(config: Config) -> BlackBox:
     return vllm_simple_cpu_lazy(evolve(config, tier_blocks=max(config.tier_blocks, config.num_gpu_blocks)))
 
 
-def vllm_tiering_connector(config: Config, io_delay: int = 0, root: Path | None = None) -> BlackBox:
+def vllm_tiering_connector(config: Config, io_delay: int = 0, root: Path | None = None,
+                           backpressure: bool = False) -> BlackBox:
     """A kit factory: vLLM's ``OffloadingConnector`` with ``TieringOffloadingSpec`` (its CPU tier sized from the
     config, store refusals injected at it) and the ``fs`` tier on ``root`` (default: a directory of its own, removed
-    at exit), short of the known divergence of resetting twice between steps. See ``tiering``."""
-    from . import tiering
-
-    box = release().tiering_connector(config, root or tiering.new_directory(), io_delay)
+    at exit), with vLLM's back-pressure detector if asked, short of the known divergence of resetting twice between
+    steps. See ``tiering``."""
+    box = release().tiering_connector(config, root or tiering.new_directory(), io_delay, backpressure)
     return _rebox(OneResetBetweenSteps, box)
 
 
 def _rebox(cls: type[BlackBox], box: BlackBox) -> Any:
     """The same connector, played by another black box."""
-    new = cls(box.config, box.connector, box.reader, box.vllm, getattr(box, "refuse_next_store", None), box.tier)
-    new.tier_io = box.tier_io
-    return new
+    return cls(box.config, box.connector, box.reader, box.vllm, getattr(box, "refuse_next_store", None), box.tier,
+               box.tier_io)
 
 
-def vllm_tiering_past_known(config: Config, io_delay: int = 0, root: Path | None = None) -> BlackBox:
+def vllm_tiering_past_known(config: Config, io_delay: int = 0, root: Path | None = None,
+                            backpressure: bool = False) -> BlackBox:
     """``vllm_tiering_connector``, short of its known divergences (its files are wiped at a reset)."""
-    from . import tiering
-
     root = root or tiering.new_directory()
-    past = _rebox(FilesWipedAtReset, vllm_tiering_connector(config, io_delay, root))
+    past = _rebox(FilesWipedAtReset, vllm_tiering_connector(config, io_delay, root, backpressure))
     past.root = root
     return past
+
+
+def vllm_tiering_backpressure(config: Config) -> BlackBox:
+    """A kit factory: ``vllm_tiering_past_known`` on a slow disk (every file job takes a step), with vLLM's
+    back-pressure detector on its fs tier (EMA of store latency, local-disk water marks, throttled drops) timing
+    stores in steps: the tier comes under pressure and drops stores. See ``tiering``."""
+    return vllm_tiering_past_known(config, io_delay=1, backpressure=True)
 
 
 def vllm_tiering_fleet(config: Config) -> BlackBox:
@@ -499,8 +517,6 @@ def vllm_tiering_fleet(config: Config) -> BlackBox:
 
 
 def _on_one_directory() -> Callable[[Config], BlackBox]:
-    from . import tiering
-
     return partial(vllm_tiering_past_known, root=tiering.new_directory())
 
 

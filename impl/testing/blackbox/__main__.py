@@ -1,11 +1,13 @@
 """The hunt: a vLLM connector through the kit over a grid of configurations, one line per configuration.
 
-``python -m kvoffload.impl.testing.blackbox [--connector vllm|ours|tiering|tiering-fleet|simple-cpu|simple-cpu-lazy]
-[--past-known] [--examples N] [--groups 4,full ...]``, against the installed vLLM. ``tiering`` is vLLM's
-``TieringOffloadingSpec`` with its fs tier on a directory of its own, ``tiering-fleet`` three engines with their fs
-tiers on one directory, ``simple-cpu`` vLLM's ``SimpleCPUOffloadConnector`` (``-lazy``: with ``lazy_offload``; it
-copies one GPU block per CPU block and needs the GPU prefix cache, so its grid has neither chunks nor
-``prefix_caching`` off, and one eviction policy: its own).
+``python -m kvoffload.impl.testing.blackbox [--connector vllm|ours|tiering|tiering-fleet|tiering-backpressure|
+simple-cpu|simple-cpu-lazy] [--past-known] [--examples N] [--groups 4,full ...]``, against the installed vLLM.
+``tiering`` is vLLM's ``TieringOffloadingSpec`` with its fs tier on a directory of its own, ``tiering-fleet`` three
+engines with their fs tiers on one directory, ``tiering-backpressure`` one on a slow disk with vLLM's back-pressure
+detector (each with file faults: a file removed or torn between its lookup and its read, a slow file job),
+``simple-cpu`` vLLM's ``SimpleCPUOffloadConnector`` (``-lazy``: with ``lazy_offload``; it copies one GPU block per
+CPU block and needs the GPU prefix cache, so its grid has neither chunks nor ``prefix_caching`` off, and one
+eviction policy: its own).
 ``--groups`` runs models of several KV cache groups: each argument lists a model's groups, a sliding window's size
 in tokens or ``full``, each optionally with ``@`` and its own block size (``8@4,full``)."""
 
@@ -17,9 +19,10 @@ from typing import Callable
 from kvoffload.spec import Config, Violation
 from kvoffload.spec.groups import parse_groups
 
-from . import (BlackBox, kvoffload_connector, vllm_offloading_connector, vllm_offloading_past_known,
-               vllm_simple_cpu_connector, vllm_simple_cpu_lazy, vllm_simple_cpu_lazy_past_known, vllm_tiering_connector,
-               vllm_tiering_fleet, vllm_tiering_fleet_past_known, vllm_tiering_past_known)
+from . import (BlackBox, kvoffload_connector, release, vllm_offloading_connector, vllm_offloading_past_known,
+               vllm_simple_cpu_connector, vllm_simple_cpu_lazy, vllm_simple_cpu_lazy_past_known,
+               vllm_tiering_backpressure, vllm_tiering_connector, vllm_tiering_fleet, vllm_tiering_fleet_past_known,
+               vllm_tiering_past_known)
 
 Factory = Callable[[Config], BlackBox]
 FACTORIES: dict[str, tuple[Factory, Factory]] = {  # --connector: (as it is, short of its known divergences)
@@ -27,6 +30,7 @@ FACTORIES: dict[str, tuple[Factory, Factory]] = {  # --connector: (as it is, sho
     "ours": (kvoffload_connector, kvoffload_connector),
     "tiering": (vllm_tiering_connector, vllm_tiering_past_known),
     "tiering-fleet": (vllm_tiering_fleet, vllm_tiering_fleet_past_known),
+    "tiering-backpressure": (vllm_tiering_backpressure, vllm_tiering_backpressure),
     "simple-cpu": (vllm_simple_cpu_connector, vllm_simple_cpu_connector),
     "simple-cpu-lazy": (vllm_simple_cpu_lazy, vllm_simple_cpu_lazy_past_known),
 }
@@ -44,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="vLLM connectors through the kvoffload kit, in black-box mode")
     parser.add_argument("--connector", choices=tuple(FACTORIES), default="vllm",
                         help="vLLM's OffloadingConnector, our KVOffloadConnector, vLLM's tiering with its fs tier "
-                             "(one engine, or three on one directory), or vLLM's SimpleCPUOffloadConnector (eager "
-                             "or lazy)")
+                             "(one engine, three on one directory, or one on a slow disk with back-pressure), or "
+                             "vLLM's SimpleCPUOffloadConnector (eager or lazy)")
     parser.add_argument("--past-known", action="store_true",
                         help="drive vLLM's connector short of its known divergences (one reset between steps; for "
                              "tiering, files wiped at a reset, a CPU tier that holds a prefix whole, and in a fleet "
@@ -61,17 +65,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("vllm").setLevel(logging.ERROR)  # the hunt's own lines, not vLLM's warnings
     factory = FACTORIES[args.connector][args.past_known]
     tiering = args.connector.startswith("tiering")
-    # a CPU tier below tiering's fs tier holds a prompt's prefix whole, short of a known divergence
-    tiers = (7, 8, 12) if tiering and args.past_known else (1, 3, 8)
+    # Past tiering's known starvations: a CPU tier that holds the longest lookup of a program whole (a resumed
+    # request of 30 tokens: 14 blocks of 2), and where vLLM's LRU starves a waiting promotion, ARC.
+    tiers = (15, 16, 24) if tiering and args.past_known else (1, 3, 8)
     simple = args.connector.startswith("simple-cpu")
+    policies: tuple[str, ...] = ("lru", "arc")
+    if simple:
+        policies = ("lru",)
+    elif tiering and args.past_known and release().lru_starves:
+        policies = ("arc",)
     grid = list(itertools.product(args.groups, (1,) if simple else args.chunk_blocks, (0, 1, 3), tiers,
-                                  (True,) if simple else (True, False), ("lru",) if simple else ("lru", "arc")))
+                                  (True,) if simple else (True, False), policies))
     findings: dict[str, list[str]] = {}  # by kind: safety, liveness, connector error, ...
     for n, (groups, k, delay, tier, prefix_caching, policy) in enumerate(grid, 1):
         config = Config(num_gpu_blocks=9 * (len(groups) + 1), offload_block_size=2 * k, tier_blocks=tier,
                         prefix_caching=prefix_caching, policy=policy, groups=groups)  # groups share the GPU pool
         scenario = Scenario(config, delay=delay, failures=args.connector == "ours",
-                            engines=3 if args.connector == "tiering-fleet" else 1)
+                            engines=3 if args.connector == "tiering-fleet" else 1, file_faults=tiering)
         start = time.perf_counter()
         trace = args.traces / f"{args.connector}-{n}.jsonl"
         try:

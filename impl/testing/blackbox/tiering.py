@@ -13,6 +13,9 @@ by ``HeldIO`` and run, in submission order, ``io_delay`` steps after they were s
 scheduler step (while the model would run); its existence checks run as each step ends (``flush``), so their verdicts
 reach the next step's lookups, as they would from a fast lookup thread. Nothing else of the tier is changed: the
 file names, the writes (a temporary file renamed into place), the reads and their error handling are vLLM's.
+
+The held I/O is also where the kit does its file faults (a file removed or torn between its lookup and its read, a
+slow job) and keeps the clock that vLLM's back-pressure detector, where one is configured, times stores by.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import weakref
 from collections import Counter, deque
 from functools import cache
 from pathlib import Path
+from types import FunctionType
 from typing import Any, Callable, Hashable, cast
 
 from kvoffload.spec import GARBAGE
@@ -56,15 +60,22 @@ class SharedRegion:
 class HeldIO:
     """Stands in for the fs tier's I/O thread pool (``DualQueueThreadPool``: the same methods): each job's tasks run
     in submission order ``delay`` steps after it was submitted (``tick`` ends a step), a task that raises fails its
-    job, and finished jobs are handed back by ``get_finished`` as the pool hands them back."""
+    job, and finished jobs are handed back by ``get_finished`` as the pool hands them back.
 
-    def __init__(self, delay: int = 0) -> None:
-        self.delay = delay
-        self.held: deque[tuple[int, int, list[Callable[[], None]]]] = deque()  # (step submitted, job id, tasks)
+    The kit's file faults (``fault_next``): a file of the next load job is removed or torn just before the job runs
+    (after the lookup that found it), or the next job submitted is slow, and the jobs behind it wait. Its steps are
+    also the tier's clock (``monotonic``), so what a back-pressure detector measures replays."""
+
+    def __init__(self, delay: int = 0, files_of: Callable[[int], list[str]] = lambda job_id: []) -> None:
+        self.delay, self.files_of = delay, files_of  # files_of: a load job's files, by job id
+        self.damage: tuple[int, str] | None = None  # for the next load: (which of its files, "vanish" | "torn")
+        self.slow = 0  # steps the next job takes beyond ``delay``
+        self.seconds_per_step = 0.0
+        self.held: deque[tuple[int, int, list[Callable[[], None]]]] = deque()  # (step it may run, job id, tasks)
         self.finished: list[tuple[int, bool, float]] = []
         self.steps = 0
         self.kinds: dict[int, str] = {}  # job id -> "load" (a file into a CPU chunk) or "store"
-        self.ran: Counter[str] = Counter()  # jobs run, by kind and outcome: "load ok", "store failed", ...
+        self.ran: Counter[str] = Counter()  # jobs run, by kind and outcome ("load ok", "store failed"), faults done
 
     def enqueue_load(self, job_id: int, n_tasks: int, tasks: Any) -> None:
         self._hold(job_id, "load", tasks)
@@ -74,16 +85,43 @@ class HeldIO:
 
     def _hold(self, job_id: int, kind: str, tasks: Any) -> None:
         self.kinds[job_id] = kind
-        self.held.append((self.steps, job_id, list(tasks)))
+        self.held.append((self.steps + self.delay + self.slow, job_id, list(tasks)))
+        if self.slow:
+            self.slow = 0
+            self.ran["file slow"] += 1
 
     def tick(self) -> None:
-        """A step ended: run the jobs whose time has come."""
-        while self.held and self.steps - self.held[0][0] >= self.delay:
+        """A step ended: run the jobs whose time has come, in order."""
+        while self.held and self.held[0][0] <= self.steps:
             self._run()
         self.steps += 1
 
+    def monotonic(self) -> float:
+        return self.steps * self.seconds_per_step
+
+    def fault_next(self, index: int, how: str) -> None:
+        if how == "slow":
+            self.slow = 4 * (index % 4 + 1)
+        else:
+            self.damage = (index, how)
+
+    def _damage(self, job_id: int) -> None:
+        """Remove (``vanish``) or tear (``torn``: half its bytes left, as a writer killed mid-write leaves it) a
+        file of this load job; vLLM is not told."""
+        assert self.damage is not None
+        (index, how), self.damage = self.damage, None
+        files = self.files_of(job_id)
+        path = Path(files[index % len(files)])
+        if how == "vanish":
+            path.unlink(missing_ok=True)
+        elif path.exists():
+            os.truncate(path, path.stat().st_size // 2)
+        self.ran[f"file {how}"] += 1
+
     def _run(self) -> None:
         _step, job_id, tasks = self.held.popleft()
+        if self.damage and self.kinds[job_id] == "load":
+            self._damage(job_id)
         success = True
         for task in tasks:
             try:
@@ -122,9 +160,12 @@ class InlineLookups:
         return self.items.popleft()
 
 
-def fs_tier_config(root: Path) -> dict[str, Any]:
-    """The ``secondary_tiers`` entry of vLLM's ``fs`` tier on ``root``."""
-    return {"type": "fs", "root_dir": str(root), "n_read_threads": 1, "n_write_threads": 1}
+def fs_tier_config(root: Path, backpressure: bool = False) -> dict[str, Any]:
+    """The ``secondary_tiers`` entry of vLLM's ``fs`` tier on ``root``, with vLLM's back-pressure detector if asked:
+    its defaults for a local disk, but out of its warm-up after one store (a program stores a few chunks only)."""
+    detector = {"backpressure": {"backpressure_cls": "EMABackpressureDetector", "warmup_completions": 1}}
+    detector = detector if backpressure else {}
+    return {"type": "fs", "root_dir": str(root), "n_read_threads": 1, "n_write_threads": 1, **detector}
 
 
 def take_over(connector: Any, io_delay: int) -> tuple[SharedRegion, HeldIO]:
@@ -133,7 +174,10 @@ def take_over(connector: Any, io_delay: int) -> tuple[SharedRegion, HeldIO]:
     manager = connector.scheduler.manager
     (tier,) = manager.secondary_tiers
     tier._pool.shutdown(wait=True)
-    tier._pool = io = HeldIO(io_delay)
+    tier._pool = io = HeldIO(io_delay, lambda job_id: list(map(tier.file_mapper.get_file_name,
+                                                               tier._load_job_keys[job_id])))
+    if tier.bp_detector is not None:
+        _time_in_steps(tier, io)
     lookups = tier._lookup_manager
     lookups.shutdown()
     lookups._lookup_queue = InlineLookups(lookups._worker)
@@ -149,6 +193,46 @@ def take_over(connector: Any, io_delay: int) -> tuple[SharedRegion, HeldIO]:
     region = SharedRegion(manager.primary_tier.get_kv_memoryview())
     weakref.finalize(connector, _shut_down, manager, region)
     return region, io
+
+
+def _time_in_steps(tier: Any, io: HeldIO) -> None:
+    """vLLM's back-pressure detector, timing the tier's store jobs on the kit's clock (``HeldIO.monotonic``): its own
+    methods, run with that clock as their module ``time``, and each job stamped with it as it is submitted. The disk
+    is slow: each step a one-chunk store takes costs twice the detector's high water mark, so the tier comes under
+    pressure once its stores take a step (more under a ``slow`` file fault), and out of it through multi-chunk
+    stores and idle steps (the detector's decay and cool-down are counted in steps too). The stores it drops are
+    counted."""
+    detector = tier.bp_detector
+    cls = type(detector)
+    on_steps = {name: _on_clock(f, io) for name in dir(cls)
+                if isinstance(f := getattr(cls, name), FunctionType) and "time" in f.__code__.co_names}
+    timed = type(cls.__name__, (cls,), {**on_steps, "__module__": cls.__module__})
+
+    class Counted(timed):  # type: ignore[valid-type, misc]
+        def should_store(self, num_blocks: int) -> bool:
+            store = bool(super().should_store(num_blocks))
+            io.ran["store dropped"] += not store
+            return store
+
+    detector.__class__ = Counted
+    io.seconds_per_step = 2 * detector._high * tier._block_size / 2**20  # the high water mark is in s/MiB
+    # its time constants in steps, as a real disk's pressure passes in a few dozen engine steps
+    detector._decay_half_life_s, detector._cooldown_s = 8 * io.seconds_per_step, 4 * io.seconds_per_step
+    submit = tier.submit_store
+
+    def submit_on_steps(job: Any) -> None:
+        job.submit_time = io.monotonic()
+        submit(job)
+
+    tier.submit_store = submit_on_steps
+
+
+def _on_clock(method: FunctionType, clock: Any) -> FunctionType:
+    """The same code, reading ``clock`` where it reads the module ``time``."""
+    on_clock = FunctionType(method.__code__, {**method.__globals__, "time": clock}, method.__name__,
+                            method.__defaults__, method.__closure__)
+    on_clock.__kwdefaults__ = method.__kwdefaults__
+    return on_clock
 
 
 def _let_go_of_file(mapped: Any) -> None:

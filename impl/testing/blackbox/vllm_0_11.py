@@ -65,6 +65,7 @@ class OffloadingTransfers:
 
 class Release:
     version = "0.11"
+    lru_starves = False
 
     def __init__(self) -> None:
         init_none_hash(sha256)
@@ -167,7 +168,7 @@ class Release:
         box = BlackBox(config, connector, OffloadingTransfers(config.k), self, refuse=refusing.add)
         return box
 
-    def tiering_connector(self, config: Config, root: Path, io_delay: int) -> BlackBox:
+    def tiering_connector(self, config: Config, root: Path, io_delay: int, backpressure: bool = False) -> BlackBox:
         raise NotImplementedError("vLLM's tiering (TieringOffloadingSpec) ships with vLLM 0.32 and later")
 
     def simple_cpu_connector(self, config: Config, lazy: bool) -> BlackBox:

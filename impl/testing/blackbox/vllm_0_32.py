@@ -71,6 +71,7 @@ class OffloadingTransfers:
 
 class Release:
     version = "0.32"
+    lru_starves = False
 
     def __init__(self) -> None:
         init_none_hash(sha256)
@@ -178,13 +179,11 @@ class Release:
         reader.holder = box.holder
         return box
 
-    def tiering_connector(self, config: Config, root: Path, io_delay: int) -> BlackBox:
-        connector, refuse = self._offloading(config, {"spec_name": "TieringOffloadingSpec",
-                                                      "secondary_tiers": [tiering.fs_tier_config(root)]})
+    def tiering_connector(self, config: Config, root: Path, io_delay: int, backpressure: bool = False) -> BlackBox:
+        connector, refuse = self._offloading(config, {"spec_name": "TieringOffloadingSpec", "secondary_tiers": [
+            tiering.fs_tier_config(root, backpressure)]})
         region, io = tiering.take_over(connector, io_delay)
-        box = BlackBox(config, connector, OffloadingTransfers(config.k), self, refuse=refuse, host=region)
-        box.tier_io = io
-        return box
+        return BlackBox(config, connector, OffloadingTransfers(config.k), self, refuse=refuse, host=region, tier_io=io)
 
     def _offloading(self, config: Config, spec: dict[str, Any]) -> tuple[Any, Callable[[str], None]]:
         """The ``OffloadingConnector`` over ``spec`` (its spec's extra config), its CPU tier sized from the config,

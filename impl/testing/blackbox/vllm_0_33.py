@@ -11,3 +11,4 @@ from . import vllm_0_32
 
 class Release(vllm_0_32.Release):
     version = "0.33"
+    lru_starves = True  # a request's chunks keep the rank of its first lookup
