@@ -47,6 +47,16 @@ def test_vllm_tiering_with_its_fs_tier_conforms(name, record_property):
     assert coverage.invariants["CONTENT"] and coverage.invariants["TRACK"]
 
 
+def _first_prompt_again(state):
+    """The first prompt comes again, long enough to be checked after its load; the engine, once drained."""
+    state.add_requests(batch=[([1, 2, 3, 4, 5], 6)])
+    for _ in range(6):
+        state.step(n=1)
+        state.invariants_hold()
+    state.teardown()
+    return state.subject
+
+
 def _store_then_evict(tmp_path, damage):
     """A 5-token prompt is stored (two chunks, each also written to a file), ``damage`` is done to the files, a
     second prompt evicts the first from the CPU tier (2 chunks), and the first prompt comes again, long enough to be
@@ -61,12 +71,7 @@ def _store_then_evict(tmp_path, damage):
         damage(file)
     state.add_requests(batch=[([6, 7, 8, 9, 10], 1)])
     state.step(n=3)
-    state.add_requests(batch=[([1, 2, 3, 4, 5], 6)])
-    for _ in range(6):
-        state.step(n=1)
-        state.invariants_hold()
-    state.teardown()
-    return state.subject
+    return _first_prompt_again(state)
 
 
 def test_a_chunk_comes_back_from_its_file(tmp_path):
@@ -101,12 +106,7 @@ def _damage_then_read(factory, which, how):
         state.add_requests(batch=[(prompt, 1)])
         state.step(n=3)
     state.file_fault(i=which, how=how)
-    state.add_requests(batch=[([1, 2, 3, 4, 5], 6)])
-    for _ in range(6):
-        state.step(n=1)
-        state.invariants_hold()
-    state.teardown()
-    return state.subject
+    return _first_prompt_again(state)
 
 
 @pytest.mark.parametrize("how", ["vanish", "torn"])
