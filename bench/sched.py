@@ -112,13 +112,13 @@ class KnownRecords:
     which no production scheduler process pays."""
 
     def __init__(self, backend: SharedTier | None = None) -> None:
-        self.names: set[tuple[int, int]] = set()  # (epoch, key)
+        self.names: set[tuple[str, int]] = set()  # (weights, key)
         self.backend, self.pending = backend, []  # the backend's answers, not waited for yet
         self.checks = 0  # in the measured steps
         self.spent = 0.0  # seconds inside its own ``ask``: the replay takes them out of the connector's
 
     def open(self, namespace: Namespace, payload_len: int) -> KnownRecords.View:
-        return KnownRecords.View(self, namespace.epoch)
+        return KnownRecords.View(self, namespace.weights)
 
     def settle(self) -> None:
         """Wait for the backend's answers (as the forward pass would)."""
@@ -142,11 +142,11 @@ class KnownRecords:
     @define
     class View:
         records: KnownRecords
-        epoch: int
+        weights: str
         counters: Counter[str] = field(factory=Counter)
 
         def exists(self, keys: Sequence[int]) -> list[bool]:
-            return [(self.epoch, key) in self.records.names for key in keys]
+            return [(self.weights, key) in self.records.names for key in keys]
 
         def ask(self, keys: Sequence[int]) -> KnownRecords.Known:
             start, records = time.perf_counter(), self.records
@@ -158,7 +158,7 @@ class KnownRecords:
             return answer
 
         def put(self, records: Sequence[tuple[int, bytes]]) -> list[str]:
-            self.records.names.update((self.epoch, key) for key, _payload in records)
+            self.records.names.update((self.weights, key) for key, _payload in records)
             return ["stored"] * len(records)
 
         def learn(self, keys: Sequence[int]) -> None:
@@ -212,7 +212,7 @@ class Replay:
             if name == "build_connector_meta":
                 if store is not None:  # as the workers would, before the next lookups
                     for put in result.puts:
-                        store.open(evolve(NAMESPACE, epoch=put.epoch), 0).put([(key, b"") for key in put.keys])
+                        store.open(evolve(NAMESPACE, weights=put.weights), 0).put([(key, b"") for key in put.keys])
                     store.settle()
                 return
 

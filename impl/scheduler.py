@@ -59,7 +59,7 @@ class Transfer:
     host_rows: list[int]  # host row of each copy
     reports: int = 0  # workers that reported it
     success: bool = True  # every report so far was a success
-    epoch: int = 0  # a put's or a get's: the namespace epoch of its records
+    weights: str = ""  # a put's or a get's: the weights of the namespace its records belong to
 
     @property
     def gpu_blocks(self) -> list[int]:
@@ -92,6 +92,7 @@ class OffloadScheduler:
                                        "failed_stores", "failed_loads", "shared_lookups", "shared_deadline_misses",
                                        "shared_got_blocks", "shared_failed_gets", "shared_put_blocks"), 0)
         self.shared: SharedStore | None = None  # the shared store, once attached (for existence checks)
+        self.identified = False  # attached since the last reset: the store's namespace is the engine's identity now
         self._pending_gets: list[Transfer] = []
         self._get_for: dict[int, RequestState] = {}  # a get in flight -> the request whose lookup it serves
         self._getting: set[Key] = set()  # keys a get in flight brings into the tier
@@ -110,7 +111,7 @@ class OffloadScheduler:
         self.counters["lookups"] += 1
         if state.unfinished:
             return 0, False  # no load while this request's stores are in flight
-        if self.shared is not None and not self._store_settled(self.shared, state, num_computed_tokens):
+        if self.identified and not self._store_settled(cast(SharedStore, self.shared), state, num_computed_tokens):
             return None, False  # ask again: the store has not answered, or its records are on their way
         end = self._hit_end(request, num_computed_tokens, self.tier.is_ready)
         return (end - num_computed_tokens, True) if end > num_computed_tokens else (0, False)
@@ -169,7 +170,10 @@ class OffloadScheduler:
 
     # ---- the shared store ----
     def attach_shared_tier(self, open: Opener, namespace: Namespace) -> None:
-        self.shared = SharedStore(open, namespace, payload=0)  # the scheduler side reads no record
+        """At start, and after every reset with the identity the engine has from then on."""
+        if self.shared is None:
+            self.shared = SharedStore(open, namespace, payload=0)  # the scheduler side reads no record
+        self.shared.namespace, self.identified = namespace, True
 
     def _store_settled(self, shared: SharedStore, state: RequestState, computed: int) -> bool:
         """The shared store's part of a lookup (False: ask again): one existence check of the keys a hit could read
@@ -273,9 +277,9 @@ class OffloadScheduler:
     def _new_transfer(self, state: RequestState | None, kind: TransferKind, keys: list[int], copies: list[Copy],
                       host_rows: list[int]) -> Transfer:
         """A transfer of a request (``state``), or of the tier (None: a put or a get)."""
-        epoch = 0 if state is not None else cast(SharedStore, self.shared).namespace.epoch  # a put's, a get's
+        weights = "" if state is not None else cast(SharedStore, self.shared).namespace.weights  # a put's, a get's
         transfer = Transfer(next(self._job_ids), state.request.req_id if state else "", kind, keys, copies, host_rows,
-                            epoch=epoch)
+                            weights=weights)
         self.unfinished[transfer.job_id] = transfer
         if state is not None:
             state.unfinished += 1
@@ -416,7 +420,7 @@ class OffloadScheduler:
                 stored = self.tier.complete_store(transfer.keys, success)
                 if not success:
                     self._leaving.update(transfer.keys)
-                if self.shared is not None:
+                if self.identified:
                     self._unput += stored
                 self.counters["stored_blocks" if success else "failed_stores"] += len(transfer.copies)
             elif transfer.kind == "get":
@@ -425,7 +429,7 @@ class OffloadScheduler:
                 self.tier.unpin(transfer.keys)  # a failed put leaves the tier's entry as it was
                 if success:  # the store holds every record (this engine's, or a faster replica's)
                     self.tier.events.append(Event("stored", tuple(transfer.keys), SHARED_MEDIUM))
-                    cast(SharedStore, self.shared).published(transfer.epoch, transfer.keys)
+                    cast(SharedStore, self.shared).published(transfer.weights, transfer.keys)
             else:
                 self.tier.complete_load(transfer.keys, success)
                 self.counters["loaded_blocks" if success else "failed_loads"] += len(transfer.copies)
@@ -456,13 +460,13 @@ class OffloadScheduler:
         return False
 
     def reset_cache(self) -> bool:
-        """After a weight update: nothing stored so far may be served again, and the engine moves to its
-        namespace's next epoch, where no record written before is found (the store itself is left alone)."""
+        """After a weight update: nothing stored so far may be served again, and the engine's identity is unknown
+        until it attaches the store again (the weights may have changed): meanwhile the store is neither asked
+        nor written, and it is left alone."""
         self.tier.reset()
         for state in self.requests.values():
             state.store_lookup = None
-        if self.shared is not None:
-            self.shared.next_epoch()
+        self.identified = False
         return True
 
     def take_events(self) -> list[Event]:

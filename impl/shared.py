@@ -1,4 +1,4 @@
-"""The production connector's side of the shared store: its namespace, opened once per epoch, the threads that run
+"""The production connector's side of the shared store: its namespace, opened once per weights, the threads that run
 puts and gets, and the copies between a record's payload and the host pool's rows.
 
 A record is one offload block of one shard: its ``k`` host rows, region after region (one region per KV cache
@@ -27,32 +27,29 @@ Opener = Callable[[Namespace, int], SharedTier]  # (namespace, payload bytes) ->
 
 
 class SharedStore:
-    """One engine's (one shard's) records in the shared store: its namespace now, and every epoch it was opened at
-    (a put or a get in flight at a reset still finishes in its own epoch)."""
+    """One engine's (one shard's) records in the shared store: its namespace now, and every weights it was opened with
+    (a put or a get in flight at a reset still finishes in the namespace it was made in)."""
 
     def __init__(self, open: Opener, namespace: Namespace, payload: int) -> None:
         self.open, self.namespace, self.payload = open, namespace, payload
-        self._opened: dict[int, SharedTier] = {}  # by epoch
+        self._opened: dict[str, SharedTier] = {}  # by weights
 
-    def at(self, epoch: int | None = None) -> SharedTier:
-        epoch = self.namespace.epoch if epoch is None else epoch
-        store = self._opened.get(epoch)
+    def at(self, weights: str | None = None) -> SharedTier:
+        weights = self.namespace.weights if weights is None else weights
+        store = self._opened.get(weights)
         if store is None:
-            store = self._opened[epoch] = self.open(evolve(self.namespace, epoch=epoch), self.payload)
+            store = self._opened[weights] = self.open(evolve(self.namespace, weights=weights), self.payload)
         return store
 
-    def published(self, epoch: int, keys: list[Key]) -> None:
+    def published(self, weights: str, keys: list[Key]) -> None:
         """A put of this engine's ended well: its records are in the store. A backend that answers existence
         checks from an index of its own (``FileTier.learn``) learns them now, not at its next listing."""
-        learn = getattr(self.at(epoch), "learn", None)
+        learn = getattr(self.at(weights), "learn", None)
         if learn is not None:
             learn(keys)
 
-    def next_epoch(self) -> None:
-        self.namespace = self.namespace.next_epoch()
-
     def counters(self) -> dict[str, int]:
-        """What its records went through, over every epoch opened: shared_hits, shared_misses, shared_stored,
+        """What its records went through, over every namespace opened: shared_hits, shared_misses, shared_stored,
         shared_present, and shared_dropped, shared_quarantined, shared_errors whatever the reason."""
         totals = dict.fromkeys(SHARED_COUNTERS, 0)
         for store in self._opened.values():

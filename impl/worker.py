@@ -75,7 +75,7 @@ class OffloadWorker:
                            self._record_copy(transfer)))
 
     def _record_copy(self, transfer: Transfer) -> Callable[[], bool]:
-        store = registered(self.worker_store, "worker_store").at(transfer.epoch)
+        store = registered(self.worker_store, "worker_store").at(transfer.weights)
         return record_copy(transfer.kind, store, self.copier.pool, transfer.keys, transfer.host_rows, self.config.k)
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerOutput:

@@ -35,7 +35,7 @@ class Transfer:
     kind: TransferKind
     copies: tuple[Copy, ...]  # (GPU block, key, index in the offload block); NULL_BLOCK for a put or a get
     host_rows: tuple[int, ...]  # host buffer row of each copy
-    epoch: int = 0  # a put's or a get's: the namespace epoch of its records
+    weights: str = ""  # a put's or a get's: the weights of the namespace its records belong to
 
     @property
     def keys(self) -> list[int]:
@@ -96,6 +96,7 @@ class ReferenceConnector:
         self._job_ids = itertools.count()
         # the shared store, once attached: this engine's (this shard's) namespace, and how to open one
         self._namespace: Namespace | None = None
+        self._identified = False  # attached since the last reset: the namespace is the engine's identity now
         self._open: Callable[[Namespace, int], SharedTier] | None = None
         self._opened: dict[Namespace, SharedTier] = {}
         self._store_lookups: dict[str, StoreLookup] = {}
@@ -127,7 +128,7 @@ class ReferenceConnector:
         self._requests[request.req_id] = request
         if self._has_transfers(request.req_id):
             return 0, False  # a load must not overlap this request's stores
-        if self._namespace is not None and not self._store_part_done(request, num_computed_tokens):
+        if self._identified and not self._store_part_done(request, num_computed_tokens):
             return None, False  # ask again
         end = self._longest_hit(request, num_computed_tokens, self._in_tier)
         return (end - num_computed_tokens, True) if end else (0, False)
@@ -234,8 +235,8 @@ class ReferenceConnector:
         self._pending_loads.append(self._new_transfer(req_id, "load", copies, rows))
 
     def _new_transfer(self, req_id: str, kind: TransferKind, copies: list[Copy], rows: list[int]) -> Transfer:
-        epoch = self._namespace.epoch if self._namespace else 0
-        transfer = Transfer(next(self._job_ids), req_id, kind, tuple(copies), tuple(rows), epoch)
+        weights = self._namespace.weights if self._namespace else ""
+        transfer = Transfer(next(self._job_ids), req_id, kind, tuple(copies), tuple(rows), weights)
         self._unfinished[transfer.job_id] = transfer
         return transfer
 
@@ -356,7 +357,7 @@ class ReferenceConnector:
             transfer, success = self._unfinished.pop(job_id), all(self._reports.pop(job_id))
             if transfer.kind == "store":
                 self.tier.complete_store(transfer.keys, success)
-                if self._namespace is not None and success:
+                if self._identified and success:
                     self._to_put += [key for key in transfer.keys if key in self.tier.slots]
             elif transfer.kind == "get":
                 self.tier.complete_store(transfer.keys, success)
@@ -381,11 +382,10 @@ class ReferenceConnector:
         return False
 
     def reset_cache(self) -> bool:
-        """Forget the tier; move to the next epoch of the namespace, where no record of before is found."""
+        """Forget the tier, and who the engine is: the shared store waits for the engine's next attach."""
         self.tier.reset()
         self._store_lookups.clear()
-        if self._namespace is not None:
-            self._namespace = self._namespace.next_epoch()
+        self._identified = False
         return True
 
     def take_events(self) -> list[Event]:
@@ -399,12 +399,12 @@ class ReferenceConnector:
         self._host = torch.zeros((rows, kv.tensor.shape[1]), dtype=kv.tensor.dtype)
 
     def attach_shared_tier(self, open: Callable[[Namespace, int], SharedTier], namespace: Namespace) -> None:
-        self._open, self._namespace = open, namespace
+        self._open, self._namespace, self._identified = open, namespace, True
 
-    def _opened_store(self, epoch: int | None = None) -> SharedTier:
-        """This engine's records in the shared store, of the current epoch or of ``epoch``."""
+    def _opened_store(self, weights: str | None = None) -> SharedTier:
+        """This engine's records in the shared store, with its weights now or with ``weights``."""
         namespace = registered(self._namespace, "namespace")
-        namespace = namespace if epoch is None else evolve(namespace, epoch=epoch)
+        namespace = namespace if weights is None else evolve(namespace, weights=weights)
         if namespace not in self._opened:
             payload = self.config.k * self.host.shape[1] * self.host.element_size()
             self._opened[namespace] = registered(self._open, "open")(namespace, payload)
@@ -456,7 +456,7 @@ class ReferenceConnector:
     def _store_io(self, transfer: Transfer) -> Callable[[], bool]:
         """An entry's k host rows, as one record of the shared store, in one direction or the other. A get lands
         only if every record it reads was found whole."""
-        k, store = self.config.k, self._opened_store(transfer.epoch)
+        k, store = self.config.k, self._opened_store(transfer.weights)
         keys = transfer.keys
         rows = [torch.tensor(transfer.host_rows[i * k:(i + 1) * k]) for i in range(len(keys))]
         if transfer.kind == "put":

@@ -33,8 +33,10 @@ Scheduler side
     it with the next plan, pinned until the put ends; a waiting request's lookup first asks the store about the
     keys a hit could read that the tier lacks (once per admission), answers "ask again" (None) until the store
     answers, gives up once the check is older than ``Config.lookup_deadline`` (the store's clock), and gets the
-    records that lengthen its hit into reserved tier entries, to load from there; a reset moves the engine to its
-    namespace's next epoch, so no older record is ever found.
+    records that lengthen its hit into reserved tier entries, to load from there. The engine attaches the store
+    with its identity (``records.Namespace``, the weights it computes with included), and again after every reset:
+    from a reset until that attach, the store is neither asked nor written (no identity is assumed, least of all
+    "the one before, plus one"), and every put and get is made in the namespace of its time.
 
 Worker side
   * handle_preemptions, the one hook before the forward pass, flushes the plan's ``flush`` list: the stores of
@@ -75,7 +77,7 @@ class Transfer:
     req_id: str  # "" for a put or a get: they belong to the tier, not to a request
     kind: TransferKind
     copies: tuple[Copy, ...]
-    epoch: int = 0  # a put's or a get's: the namespace epoch its records belong to
+    weights: str = ""  # a put's or a get's: the weights of the namespace its records belong to
 
     @property
     def keys(self) -> list[Key]:
@@ -111,12 +113,13 @@ class SpecConnector:
     next_job_id: int = 0
     # the shared store (attach_shared_tier): this engine's namespace (its shard's, on a worker side), the store
     namespace: Namespace | None = None
+    identified: bool = False  # the engine attached the store since the last reset: the namespace is its identity now
     open_store: Callable[[Namespace, int], SharedTier] | None = None
     lookups: dict[str, SharedLookup] = field(factory=dict)  # waiting requests' lookups in the store
     pending_gets: list[Transfer] = field(factory=list)  # for the next plan
     getting: set[Key] = field(factory=set)  # keys a get in flight brings into the tier
     unput: list[Key] = field(factory=list)  # entries stored since the last plan, to put into the store
-    views: dict[Namespace, SharedTier] = field(factory=dict)  # the store, opened per namespace (epoch)
+    views: dict[Namespace, SharedTier] = field(factory=dict)  # the store, opened per namespace (weights)
     # worker side (kv and executor: set by register_kv_caches)
     _kv: ListKV | None = None
     _executor: Executor | None = None
@@ -134,7 +137,7 @@ class SpecConnector:
         self.requests[request.req_id] = request
         if any(t.req_id == request.req_id for t in self.unfinished.values()):
             return 0, False
-        if self.namespace is not None and not self._shared_settled(request, num_computed_tokens):
+        if self.identified and not self._shared_settled(request, num_computed_tokens):
             return None, False  # ask again: the store has not answered, or its records are on their way
         end = self._hit(request, num_computed_tokens, self._in_tier)
         return (end - num_computed_tokens, True) if end > num_computed_tokens else (0, False)
@@ -183,7 +186,8 @@ class SpecConnector:
             missing = [key for key in self._usable_keys(request, computed) if not self._in_tier(key)]
             if not missing:  # the tier has every key a hit could read: nothing to ask
                 return True
-            lookup = self.lookups[request.req_id] = SharedLookup(missing, self._shared().ask(missing))
+            namespace = registered(self.namespace, "namespace")
+            lookup = self.lookups[request.req_id] = SharedLookup(missing, self._shared(namespace.weights).ask(missing))
         if lookup.settled or lookup.get is not None:
             return lookup.settled
         if not lookup.answer.done():
@@ -301,8 +305,8 @@ class SpecConnector:
         return [self._new_transfer("", "put", [(NULL_BLOCK, key, s) for key in keys for s in range(self.config.k)])]
 
     def _new_transfer(self, req_id: str, kind: TransferKind, copies: list[Copy]) -> Transfer:
-        epoch = self.namespace.epoch if self.namespace is not None else 0
-        transfer = Transfer(self.next_job_id, req_id, kind, tuple(copies), epoch)
+        weights = self.namespace.weights if self.namespace is not None else ""
+        transfer = Transfer(self.next_job_id, req_id, kind, tuple(copies), weights)
         self.next_job_id += 1
         self.unfinished[transfer.job_id] = transfer
         return transfer
@@ -326,7 +330,7 @@ class SpecConnector:
         plan; a get's records became tier entries, or left none, and its lookup is settled."""
         if transfer.kind == "store":
             stored = self.tier.complete_store(transfer.keys, success)
-            if self.namespace is not None:
+            if self.identified:
                 self.unput += stored
         elif transfer.kind == "get":
             self.tier.complete_store(transfer.keys, success)
@@ -350,12 +354,11 @@ class SpecConnector:
         return False
 
     def reset_cache(self) -> bool:
-        """Every entry goes stale, and the engine moves to its namespace's next epoch: no record written before
-        the reset is reachable after it, and no replica's store is wiped."""
+        """Every entry goes stale, and the engine's identity is unknown until it attaches the store again (the
+        weights may have changed): no record is asked for or put meanwhile, and no replica's store is wiped."""
         self.tier.reset()
         self.lookups.clear()
-        if self.namespace is not None:
-            self.namespace = self.namespace.next_epoch()
+        self.identified = False
         return True
 
     def take_events(self) -> list[Event]:
@@ -372,13 +375,11 @@ class SpecConnector:
         self._kv, self._executor = kv, executor
 
     def attach_shared_tier(self, open: Callable[[Namespace, int], SharedTier], namespace: Namespace) -> None:
-        self.open_store, self.namespace = open, namespace
+        self.open_store, self.namespace, self.identified = open, namespace, True
 
-    def _shared(self, epoch: int | None = None) -> SharedTier:
-        """The store's records of this engine's namespace at ``epoch`` (by default, the current one)."""
-        namespace = registered(self.namespace, "namespace")
-        if epoch is not None:
-            namespace = evolve(namespace, epoch=epoch)
+    def _shared(self, weights: str) -> SharedTier:
+        """The store's records of this engine's namespace with ``weights`` (a transfer's: that of its time)."""
+        namespace = evolve(registered(self.namespace, "namespace"), weights=weights)
         if namespace not in self.views:
             self.views[namespace] = registered(self.open_store, "open_store")(namespace, 8 * self.config.k)
         return self.views[namespace]
@@ -416,7 +417,7 @@ class SpecConnector:
     def _get(self, get: Transfer) -> bool:  # shared store -> tier: all of its records, or none
         k, keys = self.config.k, get.keys
         buffers = [bytearray(8 * k) for _ in keys]
-        if not all(self._shared(get.epoch).get(keys, [memoryview(b) for b in buffers])):
+        if not all(self._shared(get.weights).get(keys, [memoryview(b) for b in buffers])):
             return False
         for key, buffer in zip(keys, buffers):
             self.tier_bytes.update({(key, s): content for s, content in enumerate(struct.unpack(f"<{k}q", buffer))})
@@ -424,7 +425,7 @@ class SpecConnector:
 
     def _put(self, put: Transfer) -> bool:  # tier -> shared store; False if the store dropped a record
         k = self.config.k
-        outcomes = self._shared(put.epoch).put([(key, struct.pack(f"<{k}q", *(self.tier_bytes[key, s]
+        outcomes = self._shared(put.weights).put([(key, struct.pack(f"<{k}q", *(self.tier_bytes[key, s]
                                                                             for s in range(k))))
                                                 for key in put.keys])
         return not any(outcome.startswith("dropped") for outcome in outcomes)

@@ -26,11 +26,11 @@ class Executor:
     on_submit: Callable[[Job], None] | None = None  # the engine learns of each job
     submitted_at: dict[int, int] = field(factory=dict)  # id(job) -> tick of submission
     ticks: int = 0
-    epoch: int = 0  # weight updates so far: the KV a store submitted now must read
+    weights: int = 0  # the weights the engine computes with: the KV a store submitted now must read
     kv: GpuKV | None = None  # where failed loads leave garbage
 
     def submit(self, job: Job) -> None:
-        job.epoch = self.epoch
+        job.weights = self.weights
         if self.on_submit:
             self.on_submit(job)
         self.jobs.append(job)

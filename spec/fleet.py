@@ -4,7 +4,7 @@ and no other engine ever sees them (``records.Namespace``).
 
 An engine may crash and restart: it comes back with an empty GPU pool and an empty tier, its requests lost, and finds
 the store as the fleet left it. Its records from before the crash are its to load again, as long as its weights are
-the same (a weight update moved it to another epoch; a restart loads the weights it was started with).
+the same (a restart loads the weights of its checkpoint, whatever updates it had before).
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def store_bytes(world: World, job: Job, kv: GpuKV) -> None:
         block_hash = last - (k - 1 - sub) * m  # the last hash of the block at index sub
         _require(block_hash >= 0, "SRC", f"step {world.step_no}: store job {job.job_id} of {job.req_id} stores "
                                          f"key {key:#x} at index {sub}, before the request's first block")
-        _require(kv.holds(block, world.kv_of(group_key(req.block_hashes[block_hash], group), job.epoch)), "SRC",
+        _require(kv.holds(block, world.kv_of(group_key(req.block_hashes[block_hash], group), job.weights)), "SRC",
                  f"step {world.step_no}: store job {job.job_id} of {job.req_id} reads GPU block {block} for "
                  f"position {block_hash // m}" + (f" of group {group}" if group else "")
                  + ", but the block holds other bytes")
@@ -172,7 +172,7 @@ def pool_store_bytes(world: World, job: Job, kv: GpuKV) -> None:
         _require(sub == 0 and world.pool.hash_of.get(block) == key, "SRC",
                  f"step {world.step_no}: store job {job.job_id} stores GPU block {block} under key {key:#x} (index "
                  f"{sub}), not under the key the prefix cache holds it under")
-        _require(kv.holds(block, world.kv_of(key, job.epoch)), "SRC",
+        _require(kv.holds(block, world.kv_of(key, job.weights)), "SRC",
                  f"step {world.step_no}: store job {job.job_id} reads GPU block {block}, cached under key {key:#x}, "
                  f"but the block holds other bytes")
 

@@ -1,11 +1,12 @@
 """The shared tier's records: what a record says about itself, and what a reader checks before any of its bytes
 reaches a GPU block. Stated once here; every backend (a directory, a key-value server) stores records in this form.
 
-A **namespace** is everything that changes a block's bytes for the same tokens: the model and a fingerprint of its
-weights, the weights' epoch (a weight update or a connector reset moves an engine to the next one), the KV dtype
-and layout, the block and hash-block sizes, the hash algorithm and its seed, the tensor-parallel shard, and a tenant
-salt. Engines of equal namespaces share records; an engine of any other namespace never reads one, since every
-record carries its namespace's digest and a reader compares it with its own.
+A **namespace** is everything that changes a block's bytes for the same tokens: the model, a digest of the weights
+the engine computes with (taken again at every reset: a weight update made in place changes it, a reset with the
+same weights keeps it; never a count of resets, which two engines with other weights both reach), a digest of the
+model's configuration, the KV dtype and layout, the block and hash-block sizes, the hash algorithm and its seed,
+the tensor-parallel shard, and a tenant salt. Engines of equal namespaces share records; an engine of any other
+namespace never reads one, since every record carries its namespace's digest and a reader compares it with its own.
 
 A **record** is one offload block, header then payload::
 
@@ -31,7 +32,7 @@ import json
 import struct
 from typing import Any
 
-from attrs import asdict, evolve, frozen
+from attrs import asdict, frozen
 
 from .types import Key
 
@@ -56,7 +57,7 @@ class Namespace:
     """An engine's KV identity: records are shared exactly between engines whose namespaces are equal."""
 
     model: str
-    weights: str  # a fingerprint of the weights (e.g. of their files); the epoch covers updates made in place
+    weights: str  # a digest of the weights the engine computes with now (every byte: updates in place included)
     kv_dtype: str
     kv_layout: str
     block_size: int  # tokens per GPU block (per offload block: ``block_size * k``)
@@ -66,16 +67,12 @@ class Namespace:
     tp_rank: int = 0
     tp_size: int = 1
     tenant: str = ""  # a salt: two tenants on one store never share a record
-    epoch: int = 0
+    config: str = ""  # a digest of the model's configuration as the engine runs it (rope, quantization, overrides)
 
     @property
     def digest(self) -> bytes:
         """16 bytes that change with any field: the namespace as every record and directory names it."""
         return _digest(self)
-
-    def next_epoch(self) -> Namespace:
-        """After a weight update or a reset: no record of this epoch is reachable from the next one."""
-        return evolve(self, epoch=self.epoch + 1)
 
     def manifest(self) -> dict[str, Any]:
         """What a store keeps beside a namespace's records, to check at every attach."""

@@ -1,6 +1,6 @@
 """Requests as the engine tracks them, and the model that writes their tokens: a deterministic greedy "model", so that
 equal prefixes continue equally, and block hashes chained over the tokens, so that equal hashes mean equal
-prefixes. What a computed block holds (its KV) is a function of its hash and of the weights' epoch.
+prefixes. What a computed block holds (its KV) is a function of its hash and of the weights that computed it.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ def extend_block_hashes(tokens: list[int], block_size: int, hashes: list[int]) -
         hashes.append(hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size]))) & HASH_BITS)
 
 
-def kv_content(block_hash: int, epoch: int, identity: int = 0) -> int:
-    """The KV a block holds for the prefix ending in ``block_hash``, computed with the weights of ``epoch`` by an
-    engine of KV identity ``identity`` (its model, dtype, ...: ``records.Namespace``). The same tokens give other KV
-    after a weight update, or in another model: a record of either must never reach this engine's blocks."""
+def kv_content(block_hash: int, weights: int, identity: int = 0) -> int:
+    """The KV a block holds for the prefix ending in ``block_hash``, computed with ``weights`` (0: the checkpoint's)
+    by an engine of KV identity ``identity`` (its model, dtype, ...: ``records.Namespace``). The same tokens give
+    other KV with other weights, or in another model: a record of either must never reach this engine's blocks."""
     if identity:
-        return hash((block_hash, epoch, identity)) & HASH_BITS
-    return block_hash if epoch == 0 else hash((block_hash, epoch)) & HASH_BITS
+        return hash((block_hash, weights, identity)) & HASH_BITS
+    return block_hash if weights == 0 else hash((block_hash, weights)) & HASH_BITS
 
 
 def next_token(tokens: list[int]) -> int:

@@ -167,7 +167,7 @@ class Job:
     executed: bool = False
     success: bool | None = None  # set when it executes
     reported: bool = False
-    epoch: int = 0  # the weights the KV it reads was computed with (set at submit)
+    weights: int = 0  # the weights the KV it reads was computed with (set at submit)
 
     @property
     def gpu_blocks(self) -> tuple[int, ...]:
@@ -280,7 +280,10 @@ class Resettable(Protocol):
 
 class Shareable(Protocol):
     def attach_shared_tier(self, open: Callable[[Namespace, int], SharedTier], namespace: Namespace) -> None:
-        """``open(namespace, payload bytes)``: the store's records of one namespace."""
+        """``open(namespace, payload bytes)``: the store's records of one namespace. ``namespace`` is the engine's
+        identity, derived from what it computes with now. The engine attaches the store at start and again after
+        every ``reset_cache`` (a weight update): from the reset until then the connector neither asks the store nor
+        writes to it, and from then on it uses the new namespace (a put or get in flight keeps its own)."""
         ...
 
 

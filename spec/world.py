@@ -106,7 +106,11 @@ class World:
     window_freed: set[int] = field(factory=set)  # freed by a sliding window, not written since: stores are fenced
     got: set[int] = field(factory=set)  # keys whose tier entry a get brought from the store (none stored since)
     undelivered: StepOutput | None = None  # async scheduling: the last step's output
-    epoch: int = 0  # weight updates so far
+    # the weights the engine computes with: 0 is its checkpoint's; an update in place loads others (the kit picks
+    # them, so that two engines may update to the same weights or to other ones)
+    weights: int = 0
+    updates: int = 0  # weight updates so far
+    unidentified: bool = False  # reset since the connector was last told the engine's identity
     step_no: int = 0
     next_id: int = 0
     events: list[Event] = field(factory=list)
@@ -180,7 +184,7 @@ class World:
         executor.kv = kv
         executor.before_store = lambda job: invariants.store_bytes(self, job, kv)
         executor.on_submit = self._submitted
-        executor.epoch = self.epoch
+        executor.weights = self.weights
         connector.register_kv_caches(kv, executor)
         if self.store is not None:
             cast(Shareable, connector).attach_shared_tier(self.store.open, self.namespace(len(self.workers)))
@@ -188,16 +192,23 @@ class World:
         self.kvs.append(kv)
         self.executors.append(executor)
 
-    def namespace(self, rank: int) -> Namespace:
-        """The KV identity of this engine's shard ``rank``: what its records are shared under."""
-        c = self.config
-        return Namespace(model=f"model-{self.identity}", weights="spec", kv_dtype="content-id", kv_layout="spec",
-                         block_size=c.block_size, hash_block_size=c.block_size, hash_algorithm="chained",
-                         hash_seed="0", tp_rank=rank, tp_size=c.num_workers, epoch=self.epoch)
+    def _identify(self) -> None:
+        """Every side of the connector learns the engine's identity, as the weights it holds now give it."""
+        self.unidentified = False
+        for rank, worker in enumerate(self.workers):
+            cast(Shareable, worker).attach_shared_tier(cast(Store, self.store).open, self.namespace(rank))
 
-    def kv_of(self, block_hash: int, epoch: int | None = None) -> int:
+    def namespace(self, rank: int) -> Namespace:
+        """The KV identity of this engine's shard ``rank``: what its records are shared under, derived from what it
+        computes with (its model and the weights it holds now)."""
+        c = self.config
+        return Namespace(model=f"model-{self.identity}", weights=f"w{self.weights}", kv_dtype="content-id",
+                         kv_layout="spec", block_size=c.block_size, hash_block_size=c.block_size,
+                         hash_algorithm="chained", hash_seed="0", tp_rank=rank, tp_size=c.num_workers)
+
+    def kv_of(self, block_hash: int, weights: int | None = None) -> int:
         """What a block of this engine holds once computed for the prefix ending in ``block_hash``."""
-        return kv_content(block_hash, self.epoch if epoch is None else epoch, self.identity)
+        return kv_content(block_hash, self.weights if weights is None else weights, self.identity)
 
     # ---- the engine's inputs -------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], max_tokens: int) -> Request:
@@ -218,21 +229,25 @@ class World:
         for block in [b for b in self.pool.hash_of if self.pool.refs[b] == 0]:
             del self.pool.by_hash[self.pool.hash_of.pop(block)]
 
-    def update_weights(self) -> bool:
-        """An RL loop's weight update: vLLM's ``reset_prefix_cache(reset_running_requests=True,
-        reset_connector=True)`` preempts every running request, drops the GPU prefix cache and resets the
-        connector; KV computed before it is wrong after it. Refused (False), as vLLM refuses it, while blocks are
-        held by anything but a running request (a load, a loaded request not yet running, a delayed free, the
-        connector itself: PINS)."""
+    def update_weights(self, weights: int | None = None) -> bool:
+        """An RL loop's weight update in place to ``weights`` (by default, weights no update of this engine loaded
+        before), then vLLM's ``reset_prefix_cache(reset_running_requests=True, reset_connector=True)``: it preempts
+        every running request, drops the GPU prefix cache and resets the connector; KV computed before it is wrong
+        after it, unless the weights are the same. A connector with a shared store learns the engine's identity
+        again when the next step's output arrives (vLLM's workers derive it from the weights they hold), and not
+        before. Refused (False), as vLLM refuses it, while blocks are held by anything but a running request (a
+        load, a loaded request not yet running, a delayed free, the connector itself: PINS)."""
         if self.delayed or any(r.blocks and r.state is not State.RUNNING for r in self.requests.values()) \
                 or self.pins and self.pinned():
             return False
         while self.running:
             self._preempt(self.running.pop(), drop_in_flight=True)
         self.reset_prefix_cache()
-        self.epoch += 1
+        self.updates += 1
+        self.weights = -self.updates if weights is None else weights
         for executor in self.executors:
-            executor.epoch = self.epoch
+            executor.weights = self.weights
+        self.unidentified = self.store is not None
         self.stats["weight_updates"] += 1
         # the kit updates weights only for a connector that declares RESET; vLLM treats None (the base class's
         # answer) as done
@@ -268,6 +283,8 @@ class World:
             output, self.undelivered = self.undelivered, output
         if output is not None:
             self._deliver(output)
+        if self.unidentified:  # the workers' digests of the weights they hold came with this step's output
+            self._identify()
         self.events += self.connector.take_events()
         self.stats["steps"] += 1
         return out

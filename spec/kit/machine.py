@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Literal, TypeVar, cast
 
 from attrs import evolve, fields
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ..config import Config
 from ..connector import SpecConnector
@@ -351,6 +351,31 @@ class FileFaults(ConformanceMachine):
             cast(KeepsFiles, self.fleets[0].engine(i).connector).file_fault(i, how)
 
 
+class WeightVersions(ConformanceMachine):
+    """The rules of a fleet scenario with weight versions. ``make_machine`` adds them only there, so that the
+    programs of every other scenario stay what they were."""
+
+    @initialize(weights=st.lists(st.integers(0, 2), min_size=4, max_size=4))
+    def update_before_serving(self, weights: list[int]) -> None:
+        """Before their first request, the engines' weights are updated in place and each resets (an RL loop's
+        order): every program starts with the engines one update in, on the same weights or on other ones."""
+        if not self.allows(WEIGHT_UPDATES):
+            return
+        with self._rule("update_before_serving", weights=weights):
+            for fleet in self.fleets:
+                for engine, w in zip(fleet.engines, weights):
+                    engine.update_weights(w)
+
+    @needs(RESET, mode="weight_versions")
+    @rule(engine=st.integers(0, 3), weights=st.integers(0, 2))
+    def update_weights_to(self, engine: int, weights: int) -> None:
+        """One engine's weights are updated in place to ``weights`` (0: its checkpoint's), then it resets: from the
+        next step on, it shares records with exactly the engines that hold the same weights."""
+        with self._rule("update_weights_to", engine=engine, weights=weights):
+            for fleet in self.fleets:
+                fleet.engine(engine).update_weights(weights)
+
+
 def make_machine(factory: Callable[[Config], Any], scenario: Scenario = DEFAULT_SCENARIO, level: Level = "invariants",
                  kv_factory: Callable[[int], Any] = ListKV, name: str | None = None) -> type[ConformanceMachine]:
     """A ConformanceMachine subclass bound to one adapter and one scenario (its ``TestCase`` runs it in pytest).
@@ -363,6 +388,8 @@ def make_machine(factory: Callable[[Config], Any], scenario: Scenario = DEFAULT_
         if level == "exact":  # the spec's twin keeps no files: it would load what the subject must recompute
             raise ValueError("file faults change what the connector can load: check them at level 'invariants'")
         base = type(base.__name__, (FileFaults, base), {}) if base is FleetMachine else FileFaults
+    if scenario.weight_versions:
+        base = type(base.__name__, (WeightVersions, base), {})
     guarded = {rule for rule in GUARDED if hasattr(base, rule) and NEEDS[rule].met_mode(scenario)}
     attrs = dict(factory=staticmethod(factory), kv_factory=staticmethod(kv_factory), scenario=scenario, level=level,
                  coverage=Coverage(guarded=guarded))

@@ -35,6 +35,9 @@ class Scenario:
     restarts: bool = False  # engines may crash and restart
     store_dead: bool = False  # the store never answers: every lookup must give up on it
     file_faults: bool = False  # files a connector keeps below its CPU tier may vanish, tear, be slow (types.FILES)
+    # A fleet's engines update their weights in place to weights the kit picks from a few (so two engines may hold
+    # the same weights or other ones whatever their count of updates), and restart on another checkpoint
+    weight_versions: bool = False
 
     def identity(self, engine: int) -> int:
         return self.identities[engine] if engine < len(self.identities) else 0
@@ -52,7 +55,8 @@ class Scenario:
         groups = ",".join(map(str, c.groups))
         modes = "".join((" async" if c.async_scheduling else "", f" spec={c.num_spec_tokens}" * bool(c.num_spec_tokens),
                          f" workers={c.num_workers}" * (c.num_workers > 1), " broken-loads" * self.broken_loads,
-                         f" groups={groups}" * (c.groups != FULL_ATTENTION), " file-faults" * self.file_faults))
+                         f" groups={groups}" * (c.groups != FULL_ATTENTION), " file-faults" * self.file_faults,
+                         " weight-versions" * self.weight_versions))
         if self.engines > 1 or self.store:
             models = f" models={','.join(map(str, self.identities))}" if any(self.identities) else ""
             delay = f"/delay={self.store_delay}" if self.store_delay else ""

@@ -72,7 +72,7 @@ def test_what_the_scenario_turns_off_is_reported_without_a_warning():
 
 def test_skips_come_from_what_each_rule_and_check_declares():
     everything = Scenario(Config(groups=(Group(4), Group())), delay=1, failures=True, broken_loads=True, engines=2,
-                          store=8, restarts=True, file_faults=True)
+                          store=8, restarts=True, file_faults=True, weight_versions=True)
     skipped, off = skipped_by(frozenset(), everything)
     assert set(skipped) == {name for name, need in NEEDS.items() if need.capability} and not off
     assert NEEDS["refuse_next_store"].capability == "refuse_store"

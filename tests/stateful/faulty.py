@@ -360,16 +360,52 @@ class ServesUncheckedRecords(OffloadConnector):
         super().attach_worker_store(lambda ns, payload: _Unchecked(open(ns, payload)), namespace)
 
 
-class KeepsTheEpochAtReset(OffloadConnector):
+class KeepsItsIdentityAtReset(OffloadConnector):
     """A reset (a weight update) that clears the tier but keeps the namespace: the store serves KV computed with the
     old weights (vLLM's ``reset_cache`` leaves its secondary tiers alone, vllm#44541)."""
 
+    def attach_shared_tier(self, open, namespace) -> None:
+        if self.shared is None:
+            super().attach_shared_tier(open, namespace)
+
     def reset_cache(self) -> bool:
-        shared, self.shared = self.shared, None
-        try:
-            return super().reset_cache()
-        finally:
-            self.shared = shared
+        super().reset_cache()
+        self.identified = self.shared is not None
+        return True
+
+
+class AttachesAtFirstLookup(OffloadConnector):
+    """The store attached at the first lookup, with the identity the engine started with, and a reset that moves on
+    only a store already attached: an engine whose weights were updated, then reset, before its first request
+    shares the checkpoint's records (kvoffload before its identity was derived from the weights held, flow 1 of
+    issue 38)."""
+
+    def attach_shared_tier(self, open, namespace) -> None:
+        if self.shared is None:
+            self.started_as = getattr(self, "started_as", (open, namespace))
+        elif getattr(self, "moves_on", False):
+            self.moves_on = False
+            super().attach_shared_tier(open, namespace)
+
+    def reset_cache(self) -> bool:
+        self.moves_on = self.shared is not None
+        return super().reset_cache()
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if self.shared is None and hasattr(self, "started_as"):
+            super().attach_shared_tier(*self.started_as)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+class CountsResets(OffloadConnector):
+    """An identity that moves on by a count of resets (an epoch): two engines that each updated once, to other
+    weights, share each other's records (flow 2 of issue 38: a replica restarted mid-run, replicas given other
+    updates)."""
+
+    def attach_shared_tier(self, open, namespace) -> None:
+        started = getattr(self, "started_as", namespace)
+        self.started_as, self.resets = started, getattr(self, "resets", -1) + 1
+        super().attach_shared_tier(open, evolve(started, weights=f"{started.weights}+{self.resets}"))
 
 
 class DeletesOnAFailedGet(OffloadConnector):
@@ -378,7 +414,7 @@ class DeletesOnAFailedGet(OffloadConnector):
 
     def _got(self, get, success: bool) -> None:
         if not success:
-            self.worker_store.at(get.epoch).delete(get.keys)
+            self.worker_store.at(get.weights).delete(get.keys)
         super()._got(get, success)
 
 
@@ -406,7 +442,9 @@ class PutsWhatItGot(OffloadConnector):
 # catches it (the kit at the invariants level, as it runs a third party's connector)
 FLEET_VARIANTS = {
     ServesUncheckedRecords: ("fleet2-k1-immediate", "CONTENT"),
-    KeepsTheEpochAtReset: ("fleet2-k1-immediate", "CONTENT"),
+    KeepsItsIdentityAtReset: ("fleet2-k1-immediate", "CONTENT"),
+    AttachesAtFirstLookup: ("fleet2-weight-versions", "CONTENT"),
+    CountsResets: ("fleet2-weight-versions", "CONTENT"),
     DeletesOnAFailedGet: ("fleet2-k1-immediate", "KEEP"),
     NeverGivesUp: ("fleet2-dead-store", "PROGRESS"),
     PutsWhatItGot: ("fleet2-k1-immediate", "WRITE-ONCE"),

@@ -51,13 +51,14 @@ def test_a_replica_attaching_later_reads_the_first_ones_records(tmp_path):
 
 def test_another_namespace_never_reads_a_record(tmp_path):
     FileTier(tmp_path, NS, PAYLOAD).put([(KEY, payload(1))])
-    for other in (attrs.evolve(NS, kv_dtype="float8_e4m3fn"), NS.next_epoch(), attrs.evolve(NS, tenant="b")):
+    for other in (attrs.evolve(NS, kv_dtype="float8_e4m3fn"), attrs.evolve(NS, weights="updated"),
+                  attrs.evolve(NS, config="rope_theta=500000"), attrs.evolve(NS, tenant="b")):
         assert read(FileTier(tmp_path, other, PAYLOAD)) is None
 
 
 def test_a_record_copied_into_another_namespace_is_quarantined(tmp_path):
     """A record placed under another namespace's directory (by hand, or a digest collision) fails its check."""
-    mine, other = FileTier(tmp_path, NS, PAYLOAD), FileTier(tmp_path, NS.next_epoch(), PAYLOAD)
+    mine, other = FileTier(tmp_path, NS, PAYLOAD), FileTier(tmp_path, attrs.evolve(NS, weights="updated"), PAYLOAD)
     mine.put([(KEY, payload(1))])
     other.path(KEY).parent.mkdir(parents=True)
     os.link(mine.path(KEY), other.path(KEY))
@@ -183,7 +184,7 @@ def _age(tier: FileTier, keys, seconds_ago: float) -> None:
 
 def test_the_budget_holds_for_the_whole_directory_oldest_first(tmp_path, tier_class=FileTier):
     """Two replicas (here: an engine before and after a weight update) share one directory and one budget."""
-    old, new = tier_class(tmp_path, NS, PAYLOAD), tier_class(tmp_path, NS.next_epoch(), PAYLOAD)
+    old, new = tier_class(tmp_path, NS, PAYLOAD), tier_class(tmp_path, attrs.evolve(NS, weights="updated"), PAYLOAD)
     old.put([(i, payload(i)) for i in range(6)])
     new.put([(i, payload(i)) for i in range(6, 12)])
     _age(old, range(6), 600)
@@ -326,7 +327,7 @@ def test_a_directory_that_cannot_be_listed_is_counted_and_every_ask_is_answered(
     moved.rename(tier.dir)
 
 
-def test_an_engine_learns_its_puts_in_the_epoch_they_were_made(tmp_path):
+def test_an_engine_learns_its_puts_in_the_namespace_they_were_made_in(tmp_path):
     from kvoffload.impl.shared import SharedStore
 
     opened = []
@@ -337,10 +338,10 @@ def test_an_engine_learns_its_puts_in_the_epoch_they_were_made(tmp_path):
 
     store = SharedStore(open_tier, NS, PAYLOAD)
     first = store.at()
-    store.next_epoch()
-    store.published(0, [KEY])  # a put of the epoch before the reset ended after it
+    store.namespace = attrs.evolve(NS, weights="updated")  # a reset, and the weights the engine holds after it
+    store.published(NS.weights, [KEY])  # a put made before the reset ended after it
     assert first.ask([KEY]).result(timeout=5) == [True] and store.at().ask([KEY]).result(timeout=5) == [False]
-    assert [t.namespace.epoch for t in opened] == [0, 1]
+    assert [t.namespace.weights for t in opened] == [NS.weights, "updated"]
 
 
 @pytest.mark.parametrize("variant, test", [

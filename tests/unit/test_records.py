@@ -38,10 +38,11 @@ def test_every_namespace_field_separates_records(field):
     assert refused.value.reason == "namespace"
 
 
-def test_a_weight_update_makes_the_old_epoch_unreachable():
+@pytest.mark.parametrize("change", [dict(weights="updated in place"), dict(config="rope_theta=500000")])
+def test_other_weights_or_another_configuration_make_the_record_unreachable(change):
     header, payload = seal(NS, KEY, b"kv" * 8)
     with pytest.raises(RecordError, match="namespace"):
-        check(header, payload, namespace=NS.next_epoch())
+        check(header, payload, namespace=attrs.evolve(NS, **change))
 
 
 @pytest.mark.parametrize("cut", [1, 20, 43, 44, 50])

@@ -80,7 +80,8 @@ def test_one_batch_reads_hits_misses_bad_values_and_errors_each_for_itself_and_t
 
 def test_another_namespace_never_reads_a_record(server):
     tier(server).put([(KEY, payload(1))])
-    for other in (attrs.evolve(NS, kv_dtype="float8_e4m3fn"), NS.next_epoch(), attrs.evolve(NS, tenant="b"),
+    for other in (attrs.evolve(NS, kv_dtype="float8_e4m3fn"), attrs.evolve(NS, weights="updated"),
+                  attrs.evolve(NS, config="rope_theta=500000"), attrs.evolve(NS, tenant="b"),
                   attrs.evolve(NS, model="other-model")):
         assert read(tier(server, other)) is None
 
@@ -93,7 +94,7 @@ def test_a_manifest_set_for_another_namespace_stops_the_attach(server):
 
 
 def test_a_record_under_another_namespaces_name_is_refused_and_quarantined(server):
-    mine, other = tier(server), tier(server, NS.next_epoch())
+    mine, other = tier(server), tier(server, attrs.evolve(NS, weights="updated"))
     other.put([(KEY, payload(1))])
     server.client().copy(other.name(KEY), mine.name(KEY))  # by hand, or a digest collision
     assert read(mine) is None and mine.counters["quarantined_namespace"] == 1
