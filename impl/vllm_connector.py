@@ -11,11 +11,13 @@ for the ``offers_remembered`` blocks offered last; ``store_prompts_only`` offers
 
 ``shared_tier`` (optional) backs the CPU tier with a store that engines share and that outlives them: every block
 stored to the CPU tier is put there too, and a CPU-tier miss that the store holds is got into the CPU tier and
-loaded from there. Engines share records only when their KV identity (``kvoffload.spec.records.Namespace``: model,
-weights, dtype, layout, block and hash sizes, hash seed, shard, tenant, epoch) is equal; a reset moves an engine to
-its next epoch. ``"backend": "redis"`` puts the records on a Redis or Valkey server instead
-(``kvoffload.impl.tiers.redis``: ``url``, ``username``, ``password_env``, ``cluster``, ``ttl``, ``timeout``,
-``tls_*``).
+loaded from there. Engines share records only when their KV identity (``kvoffload.spec.records.Namespace``, derived
+by ``vllm_identity``: every byte of the weights the workers hold, the model's configuration as vLLM runs it, dtype,
+layout, block and hash sizes, hash seed, shard, tenant) is equal. The workers fingerprint their weights at start-up
+(vLLM's handshake brings the digests to the scheduler side) and again after every reset: until their digests
+arrive, a lookup waits (a step) and nothing is put. ``"backend": "redis"`` puts the records on a Redis or Valkey
+server instead (``kvoffload.impl.tiers.redis``: ``url``, ``username``, ``password_env``, ``cluster``, ``ttl``,
+``timeout``, ``tls_*``).
 
 (vLLM's default failure policy, "fail", ends a request whose load failed with an error; "recompute" recomputes it.)
 
@@ -29,20 +31,19 @@ block, becomes ``NULL_BLOCK``.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import gcd
-from pathlib import Path
 from typing import Any, Callable, Iterable, cast
 
 import torch
 from attrs import evolve
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole, KVConnectorTransferResults,
-                                                               KVConnectorWorkerMetadata, SupportsHMA)
+                                                               KVConnectorHandshakeMetadata, KVConnectorRole,
+                                                               KVConnectorTransferResults, KVConnectorWorkerMetadata,
+                                                               SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash, resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
@@ -57,6 +58,7 @@ from .connector import OffloadConnector
 from .shadow import ShadowMonitor
 from .shared import IOExecutor
 from .tiers import FileTier, SharedTier
+from .vllm_identity import calling_model_runner, combined, config_digest, weights_digest
 
 
 def _positive_int(value: object) -> bool:
@@ -76,6 +78,9 @@ def _positive_seconds(value: object) -> bool:
 # interval each time (a shared-tier get of 2k tokens took 6.3 s that way, 0.6 s with the interval at 0.5 ms:
 # bench/ttft.py). Such a step yields to them for this long: it had nothing to compute.
 IDLE_YIELD = 0.001
+# Steps a lookup waits for the workers' fingerprints of their weights after a reset (they come with the next step's
+# output): past them, lookups go on without the shared tier until the fingerprints arrive.
+IDENTITY_STEPS = 4
 
 # kv_connector_extra_config: key -> (check, what it must be). Defaults are in config_from_vllm.
 EXTRA: dict[str, tuple[Callable[[object], bool], str]] = {
@@ -135,6 +140,15 @@ COUNTERS = ("lookups", "hit_tokens", "engine_hit_tokens", "stored_blocks", "load
 class KVOffloadMetadata(KVConnectorMetadata):
     plan: TransferPlan
     namespace: Namespace | None = None  # the engine's, with the shared tier: each worker's records are its shard's
+    identity: int = 0  # resets so far: a worker fingerprints its weights again when this moves on
+
+
+@dataclass
+class KVOffloadHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at start-up (vLLM's handshake): the digest of the weights this worker holds."""
+
+    rank: int
+    weights: str
 
 
 @dataclass(frozen=True)
@@ -192,36 +206,21 @@ class SharedTierConfig:
         return FileTier(self.options["path"], namespace, payload)
 
 
-def weights_fingerprint(model: str, revision: str | None) -> str:
-    """What identifies the weights an engine loaded: for a local directory, its weight files' names, sizes and
-    first and last MiB (the same on every host that has a copy); for a hub name, the name and the revision."""
-    root = Path(model)
-    if not root.is_dir():
-        return f"{model}@{revision or 'main'}"
-    digest = hashlib.blake2b(digest_size=16)
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".gguf")):
-        size = path.stat().st_size
-        digest.update(f"{path.relative_to(root)}:{size}".encode())
-        with path.open("rb") as f:
-            digest.update(f.read(1 << 20))
-            f.seek(max(size - (1 << 20), 0))
-            digest.update(f.read(1 << 20))
-    return digest.hexdigest()
-
-
-def namespace_from_vllm(vllm_config: Any, kv_cache_config: Any, config: Config, tenant: str) -> Namespace:
-    """The engine's KV identity, as vLLM's configuration gives it. The hash seed is vLLM's ``NONE_HASH`` itself: read
-    once the engine has set it (after the scheduler, and so this connector, was built), it differs between two
-    processes exactly when their block hashes do (xxhash without a common ``PYTHONHASHSEED``)."""
+def namespace_from_vllm(vllm_config: Any, kv_cache_config: Any, config: Config, tenant: str,
+                        weights: str) -> Namespace:
+    """The engine's KV identity: ``weights`` (its workers' digests, ``vllm_identity.combined``) and what vLLM's
+    configuration gives. The hash seed is vLLM's ``NONE_HASH`` itself: read once the engine has set it (after the
+    scheduler, and so this connector, was built), it differs between two processes exactly when their block hashes
+    do (xxhash without a common ``PYTHONHASHSEED``)."""
     from vllm.v1.core import kv_cache_utils
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
     layout = ";".join(f"{type(g.kv_cache_spec).__name__}:{g.kv_cache_spec.page_size_bytes}x{len(g.layer_names)}"
                       for g in kv_cache_config.kv_cache_groups)
     dtype = str(model.dtype) if cache.cache_dtype == "auto" else cache.cache_dtype
-    return Namespace(model=model.model, weights=weights_fingerprint(model.model, model.revision), kv_dtype=dtype,
-                     kv_layout=layout, block_size=config.offload_block_size, hash_block_size=config.block_size,
-                     hash_algorithm=cache.prefix_caching_hash_algo,
+    return Namespace(model=",".join(model.architectures), weights=weights, config=config_digest(vllm_config),
+                     kv_dtype=dtype, kv_layout=layout, block_size=config.offload_block_size,
+                     hash_block_size=config.block_size, hash_algorithm=cache.prefix_caching_hash_algo,
                      hash_seed=bytes(kv_cache_utils.NONE_HASH).hex(), tp_rank=0,
                      tp_size=vllm_config.parallel_config.world_size, tenant=tenant)
 
@@ -233,13 +232,15 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     job_results: tuple[tuple[int, bool], ...] = ()
     moved: dict[str, float] = field(default_factory=dict)  # bytes_stored, bytes_loaded, store_seconds, ...
     latencies: tuple[tuple[str, float], ...] = ()  # ("get" or "put", seconds) of the shared tier's transfers
+    weights: tuple[tuple[int, int, str], ...] = ()  # (resets so far, rank, digest): weights fingerprinted again
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """vLLM's ``KVOutputAggregator`` merges the workers' metadata with this. Every worker reports every job,
         so a job id appears once per worker; the scheduler side counts the reports (``Config.num_workers``)."""
         assert isinstance(other, KVOffloadWorkerMetadata)
         moved = {k: self.moved.get(k, 0) + other.moved.get(k, 0) for k in {*self.moved, *other.moved}}
-        return KVOffloadWorkerMetadata(self.job_results + other.job_results, moved, self.latencies + other.latencies)
+        return KVOffloadWorkerMetadata(self.job_results + other.job_results, moved, self.latencies + other.latencies,
+                                       self.weights + other.weights)
 
 
 @dataclass
@@ -489,6 +490,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.moved: dict[str, float] = dict.fromkeys((*MOVED, "engine_hit_tokens"), 0)
         self.reported = dict.fromkeys(MOVED, 0.0)  # worker side: totals already sent
         self.latencies: list[tuple[str, float]] = []  # scheduler side: the workers' shared-tier transfers, unlogged
+        # the engine's identity: resets so far, the workers' digests of their weights since the last one (scheduler
+        # side), steps a lookup has waited for them; a worker's model runner, what it fingerprinted last
+        self.resets, self.weights, self.unidentified_steps = 0, dict[int, str](), 0
+        self.model_runner: Any = None
+        self.fingerprinted = 0
+        self.weight_reports: list[tuple[int, int, str]] = []
 
     # ---- scheduler side ----
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -510,13 +517,35 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             view = self.views[request.request_id] = VllmRequestView(request)
         return view
 
-    def _attach_shared_tier(self) -> None:
-        """On the first lookup: vLLM sets the hash seed the namespace names after it built this connector."""
-        assert self.shared is not None
-        namespace = namespace_from_vllm(self.vllm_config, self.kv_cache_config, self.config, self.shared.tenant)
-        self.offload.attach_shared_tier(self.shared.open, namespace)
-        if self.shared.backend == "fs":  # a server keeps itself in its own memory budget
+    def _identify(self) -> bool:
+        """Attach the shared tier with the engine's identity once every worker's digest of the weights it holds has
+        come (at start-up through vLLM's handshake, after a reset with a step's output); at a lookup, since vLLM
+        sets the hash seed the namespace names after it built this connector. False: not yet."""
+        if self.offload.identified:
+            return True
+        shared = cast(SharedTierConfig, self.shared)
+        if len(self.weights) < self.config.num_workers:
+            return False
+        namespace = namespace_from_vllm(self.vllm_config, self.kv_cache_config, self.config, shared.tenant,
+                                        combined(self.weights))
+        self.offload.attach_shared_tier(shared.open, namespace)
+        if shared.backend == "fs" and self._reclaimer is None:  # a server keeps itself in its own memory budget
             self._reclaimer = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-reclaim")
+        return True
+
+    def _weights_reported(self, resets: int, rank: int, digest: str) -> None:
+        if resets == self.resets:  # a digest from before the last reset may be of the weights replaced since
+            self.weights[rank] = digest
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Scheduler side, at start-up: every worker's digest of the weights it loaded."""
+        for handshake in metadata.values():
+            if isinstance(handshake, KVOffloadHandshake):
+                self._weights_reported(0, handshake.rank, handshake.weights)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+                                             ) -> None:
+        self.set_xfer_handshake_metadata(dict(enumerate(metadata.values())))  # each names its own rank
 
     def _keep_in_budget(self) -> None:
         """Once the store is attached, and every 64 steps after, on a thread: the least recently used records of the
@@ -528,8 +557,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._reclaim = self._reclaimer.submit(store.reclaim, cast(SharedTierConfig, self.shared).options["bytes"])
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.shared and self.offload.shared is None:
-            self._attach_shared_tier()
+        if self.shared and not self._identify() and self.unidentified_steps < IDENTITY_STEPS:
+            return None, False  # ask again: the workers' fingerprints of their weights come with the next step
         view = self._view(request)
         view.num_computed_tokens = view.uncommitted_hit = num_computed_tokens
         answer = self.offload.get_num_new_matched_tokens(view, num_computed_tokens)
@@ -551,10 +580,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self.shadow:
             self.shadow.batch(neutral)
         self._keep_in_budget()
+        self.unidentified_steps = 0 if self.offload.identified else self.unidentified_steps + 1
         if not scheduler_output.total_num_scheduled_tokens and self._io_in_flight():
             time.sleep(IDLE_YIELD)
         shared = self.offload.shared
-        return KVOffloadMetadata(plan, shared.namespace if shared else None)
+        return KVOffloadMetadata(plan, shared.namespace if shared else None, self.resets)
 
     def _io_in_flight(self) -> bool:
         """A put or a get runs on our I/O threads (loads and stores run in the engine step on a CPU, and on CUDA
@@ -568,6 +598,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         for key, value in meta.moved.items():
             self.moved[key] += value
         self.latencies += meta.latencies
+        for report in meta.weights:
+            self._weights_reported(*report)
         output = WorkerOutput(job_results=meta.job_results)
         self.offload.update_connector_output(output)
         if self.shadow:
@@ -575,8 +607,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool:
         """vLLM's cache reset (``reset_prefix_cache(reset_connector=True)``, after a weight update): the tier's
-        entries hold KV computed with the old weights, so none may be loaded again."""
+        entries hold KV computed with the old weights, so none may be loaded again, and the engine's identity is
+        derived again: the workers fingerprint the weights they hold at the next step."""
         done = self.offload.reset_cache()
+        self.resets, self.weights, self.unidentified_steps = self.resets + 1, {}, 0
         if self.shadow:
             self.shadow.reset(done)
         return done
@@ -662,7 +696,23 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                     yield BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group)
 
     # ---- worker side ----
+    def get_handshake_metadata(self) -> KVOffloadHandshake | None:
+        """At start-up, with the shared tier: the digest of the weights this worker loaded."""
+        if self.model_runner is None:
+            return None
+        return KVOffloadHandshake(worker_rank(), weights_digest(self.model_runner.get_model()))
+
+    def _fingerprint_again(self, metadata: KVOffloadMetadata) -> None:
+        """After a reset: the weights this worker holds now (an update in place changed them, or not), for the
+        scheduler side's next identity."""
+        if self.model_runner is not None and metadata.identity != self.fingerprinted:
+            self.fingerprinted = metadata.identity
+            self.weight_reports.append((metadata.identity, worker_rank(),
+                                        weights_digest(self.model_runner.get_model())))
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.shared:  # the shared tier's records are named by the weights this worker computes with
+            self.model_runner = calling_model_runner()
         first = next(iter(kv_caches.values()))
         if first.shape[0] == self.config.num_gpu_blocks:
             layout = "blocks_first"
@@ -688,6 +738,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if metadata.namespace is not None and self.offload.worker_store is None:
             self.offload.attach_worker_store(cast(SharedTierConfig, self.shared).open,
                                              evolve(metadata.namespace, tp_rank=worker_rank()))
+        self._fingerprint_again(metadata)
         self.offload.start_load_kv(metadata.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -715,7 +766,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self.offload.get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KVOffloadWorkerMetadata | None:
-        if not self.job_results:
+        if not self.job_results and not self.weight_reports:
             return None
         totals = self.offload.stats()
         moved = {key: totals[key] - self.reported[key] for key in MOVED}
@@ -723,4 +774,5 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         results, self.job_results = tuple(self.job_results), []
         io = self.offload.io
         latencies = tuple(io.take_latencies()) if isinstance(io, IOExecutor) else ()
-        return KVOffloadWorkerMetadata(results, moved, latencies)
+        reports, self.weight_reports = tuple(self.weight_reports), []
+        return KVOffloadWorkerMetadata(results, moved, latencies, reports)

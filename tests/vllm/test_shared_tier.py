@@ -83,12 +83,13 @@ def test_an_engine_of_another_model_never_gets_a_hit(model, tmp_path, tmp_path_f
     assert run["outputs"] == run_engine(other, rounds=1)["outputs"]
 
 
-def test_after_a_reset_no_record_from_before_it_is_served(model, expected, tmp_path):
+def test_after_a_reset_with_the_same_weights_the_records_from_before_it_serve(model, expected, tmp_path):
     run = engine(model, tmp_path, rounds=2, reset_connector=True)
     assert run["reset"] is not False and run["outputs"] == expected + expected
     before, after = run["stats_before_reset"], run["stats"]
-    assert after["shared_got_blocks"] == before["shared_got_blocks"] == 0  # nothing of epoch 0 reached epoch 1
-    assert after["shared_stored"] > before["shared_stored"]  # epoch 1 stored its own records
+    # the weights are the same after the reset: the records stored before it serve after it (the tier's do not)
+    assert before["shared_got_blocks"] == 0 and after["shared_got_blocks"] > 0
+    assert after["shared_stored"] == before["shared_stored"]  # nothing written twice
 
 
 def test_a_damaged_record_is_detected_counted_and_recomputed(model, expected, tmp_path):

@@ -1,0 +1,130 @@
+"""An engine's KV identity, derived from what produces the bytes (``kvoffload.spec.records.Namespace``).
+
+Two engines may share a record only if the same tokens give the same KV in both. What decides that:
+
+* **the weights the engine computes with**: every byte of every parameter and buffer of the loaded model, read on
+  each worker (its shard) when the engine starts and again at every ``reset_prefix_cache(reset_connector=True)``,
+  so that a weight update made in place (``reload_weights``, ``update_weights``, ``apply_model``, a trainer's
+  push) is seen as what it is. The buffers hold what the configuration computes too (rotary tables from
+  ``rope_theta`` and its scaling);
+* **the model's configuration as vLLM runs it**: the whole Hugging Face config after vLLM's overrides
+  (``hf_overrides``, rope scaling, quantization config) and vLLM's own hash of the model config (dtype,
+  quantization, revision, ...), the attention config (backend) and the KV cache layout;
+* the KV dtype and layout, block and hash sizes, the hash algorithm and seed, the shard and the tenant.
+
+The weights digest reads a host tensor's bytes with xxh3-128 and folds an accelerator's on its own device: its
+bytes, read as 64-bit words, are mixed (a bijection that spreads every bit over the word) and summed per row of
+``ROW`` words with a fixed odd multiplier per column (a change of any one word changes its row's sum), and the host
+hashes the folded rows, 1/``ROW`` of the bytes. On a GPU that is a dozen passes over the parameters at memory
+bandwidth, no copy of them to the host. ``bench/identity.py`` measures both against loading the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+ROW = 4096  # words per folded row
+CHUNK_ROWS = 2048  # rows folded at a time (64 MiB of words): bounds the temporaries
+_MIX = (0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64))  # splitmix64's multipliers, as int64
+_multipliers: dict[torch.device, torch.Tensor] = {}
+
+
+def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x >> bits`` as an unsigned shift (torch shifts int64 arithmetically)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer: a bijection of 64-bit words in which every input bit reaches every output bit, so
+    that no two changes cancel in a sum by lying in the same high bits (int64 arithmetic wraps)."""
+    x = x ^ _logical_shift(x, 30)
+    x = x * _MIX[0]
+    x = x ^ _logical_shift(x, 27)
+    x = x * _MIX[1]
+    return x ^ _logical_shift(x, 31)
+
+
+def _row_multipliers(device: torch.device) -> torch.Tensor:
+    """``ROW`` fixed odd int64 multipliers (odd: invertible modulo 2**64), the same on every host."""
+    if device not in _multipliers:
+        odd = np.random.default_rng(0x6B766F66).integers(0, 1 << 63, ROW, dtype=np.int64) | 1
+        _multipliers[device] = torch.from_numpy(odd).to(device)
+    return _multipliers[device]
+
+
+def fold(tensor: torch.Tensor) -> bytes:
+    """A tensor's bytes folded to 8 bytes per ``ROW`` words, on its own device; equal bytes fold equally."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if flat.numel() % 8:
+        flat = torch.cat([flat, flat.new_zeros(8 - flat.numel() % 8)])
+    words, weights = flat.view(torch.int64), _row_multipliers(flat.device)
+    full = words.numel() // ROW
+    body = words[:full * ROW].view(full, ROW)
+    sums = [(_mix(body[i:i + CHUNK_ROWS]) * weights).sum(dim=1) for i in range(0, full, CHUNK_ROWS)]
+    tail = words[full * ROW:]
+    if tail.numel():
+        sums.append((_mix(tail) * weights[:tail.numel()]).sum().reshape(1))
+    return torch.cat(sums).cpu().numpy().tobytes() if sums else b""
+
+
+def tensor_digest(tensor: torch.Tensor, strategy: str | None = None) -> bytes:
+    """What stands for a tensor's bytes in the weights digest: on the host, the bytes' xxh3-128 (at memory speed
+    there); on an accelerator, ``fold``: only 1/``ROW`` of the bytes cross to the host. ``strategy`` forces one
+    ("hash", "fold"), for tests on this machine."""
+    import xxhash
+
+    if (strategy or ("hash" if tensor.device.type == "cpu" else "fold")) == "fold":
+        return fold(tensor)
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return xxhash.xxh3_128_digest(flat.numpy().data)
+
+
+def weights_digest(model: torch.nn.Module, strategy: str | None = None) -> str:
+    """Every parameter and buffer of ``model`` (this worker's shard), by name, dtype, shape and bytes (``strategy``:
+    as ``tensor_digest``)."""
+    digest = hashlib.blake2b(digest_size=16)
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:".encode())
+        digest.update(tensor_digest(tensor, strategy))
+    return digest.hexdigest()
+
+
+def combined(digests: dict[int, str]) -> str:
+    """One engine's weights from its workers' digests, by rank: every shard's bytes."""
+    return hashlib.blake2b(json.dumps(sorted(digests.items())).encode(), digest_size=16).hexdigest()
+
+
+def config_digest(vllm_config: Any) -> str:
+    """The model's configuration as the engine runs it: the Hugging Face config after vLLM applied its overrides,
+    vLLM's hash of its model config (less the path it was loaded from), the attention config (backend) and the
+    KV cache layout."""
+    model = copy.copy(vllm_config.model_config)
+    model.model = ""  # a path, which reload_weights rewrites: what it held is in the weights digest
+    parts = {"hf_config": model.hf_config.to_json_string(use_diff=False), "model": model.compute_hash(),
+             "attention": vllm_config.attention_config.compute_hash(),
+             "kv_cache_layout": str(vllm_config.cache_config.kv_cache_layout)}
+    return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def calling_model_runner() -> Any:
+    """The model runner that is registering our KV caches: the first caller up the stack with ``get_model()``
+    (vLLM's GPU and CPU model runners call ``register_kv_caches`` themselves, its v2 runner through a helper).
+    vLLM hands a connector no model: this is how the worker side reaches the weights it must fingerprint."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if callable(getattr(owner, "get_model", None)):
+            return owner
+        frame = frame.f_back  # type: ignore[assignment]
+    raise LookupError("no model runner on the stack of register_kv_caches: the shared tier cannot fingerprint the "
+                      "weights this engine computes with (an unsupported vLLM release?)")

