@@ -84,6 +84,7 @@ class IndexAnswer:
 class FileTier:
     SPOT_LISTING = 0.01  # seconds: a directory listed faster (a few thousand records) is listed on an ask's thread
     LEASE = 30.0  # seconds: no record used within this long is reclaimed
+    ABANDONED = 600.0  # seconds: a temporary file this old is a killed writer's (a live write takes milliseconds)
     RENEW_EVERY = 0.05  # seconds: found records' leases are renewed this late at most
     RENEW_AGAIN = LEASE / 6  # seconds: a record found again sooner after its renewal is not renewed again
 
@@ -336,11 +337,13 @@ class FileTier:
     def _budgeted(self, pattern: str) -> Iterable[Path]:
         return self.root.glob(pattern)
 
-    def reclaim(self, budget: int, lease: float = LEASE) -> int:
-        """Delete the least recently used records of every namespace under the root (and temporary files a killed
-        writer left) until they fit ``budget`` bytes, never one used within ``lease`` seconds; the bytes freed."""
+    def reclaim(self, budget: int, lease: float = LEASE, abandoned: float = ABANDONED) -> int:
+        """Delete the temporary files killed writers left (older than ``abandoned`` seconds), then the least
+        recently used records of every namespace under the root until they fit ``budget`` bytes, never one used
+        within ``lease`` seconds; the bytes freed."""
         files = []
-        for pattern in ("*/*/*.kvr", "*/*/.*.tmp"):  # every namespace's directory: one budget for the root
+        # every namespace's directory, one budget for the root; records' and manifests' temporary files
+        for pattern in ("*/*/*.kvr", "*/*/.*.tmp", "*/.*.tmp"):
             for path in self._budgeted(pattern):
                 try:
                     stat = path.stat()
@@ -348,6 +351,10 @@ class FileTier:
                     continue
                 files.append((stat.st_mtime, stat.st_size, path))
         used, freed, now = sum(size for _, size, _ in files), 0, time.time()
+        for mtime, size, path in files:
+            if path.suffix == ".tmp" and now - mtime > abandoned:  # whatever the budget: it is never published
+                path.unlink(missing_ok=True)
+                freed += size
         for mtime, size, path in sorted(files):
             if used - freed <= budget or now - mtime < lease:
                 break

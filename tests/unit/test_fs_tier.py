@@ -137,6 +137,13 @@ def test_a_writer_killed_mid_write_leaves_nothing_that_is_served(tmp_path):
     assert list(tmp_path.rglob("*.tmp")) and not tier.exists([KEY])[0]  # only its temporary file is left
     assert read(tier) is None
     assert tier.put([(KEY, payload(2))]) == ["stored"] and read(tier) == payload(2)
+    (torn,) = tmp_path.rglob("*.tmp")
+    assert tier.reclaim(1 << 30) == 0 and torn.exists()  # within the budget, and it may be a live write
+    stamp = time.time() - FileTier.ABANDONED - 1
+    os.utime(torn, (stamp, stamp))
+    size = torn.stat().st_size
+    assert tier.reclaim(1 << 30) == size
+    assert not torn.exists() and read(tier) == payload(2)  # the killed writer's file went, the record stayed
 
 
 FD_STARVED_READER = textwrap.dedent("""
