@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .store import Store
     from .world import World
 
-SPEC_VERSION = "0.9"
+SPEC_VERSION = "0.10"
 
 SAFETY = ("TRACK", "SRC", "DST", "CONTENT", "REF", "ATOMIC", "CURSOR", "JOBS", "FINISH", "FAIL", "LOOKUP",
           "CAPACITY", "KEEP", "WRITE-ONCE")
