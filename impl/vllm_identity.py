@@ -24,7 +24,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -89,13 +91,16 @@ def tensor_digest(tensor: torch.Tensor, strategy: str | None = None) -> bytes:
 def weights_digest(model: torch.nn.Module, strategy: str | None = None) -> str:
     """Every parameter and buffer of ``model`` (this worker's shard), by name, dtype, shape and bytes (``strategy``:
     as ``tensor_digest``)."""
-    digest = hashlib.blake2b(digest_size=16)
     tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
-    for name in sorted(tensors):
-        tensor = tensors[name]
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:".encode())
-        digest.update(tensor_digest(tensor, strategy))
+    names = sorted(tensors)
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # xxhash releases the GIL: one tensor per core at a time
+        digests = pool.map(lambda name: tensor_digest(tensors[name], strategy), names)
+        digest = hashlib.blake2b(digest_size=16)
+        for name, tensor_bytes in zip(names, digests):
+            tensor = tensors[name]
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:".encode())
+            digest.update(tensor_bytes)
     return digest.hexdigest()
 
 
