@@ -22,7 +22,8 @@ def extend_block_hashes(tokens: list[int], block_size: int, hashes: list[int]) -
 def kv_content(block_hash: int, weights: int, identity: int = 0) -> int:
     """The KV a block holds for the prefix ending in ``block_hash``, computed with ``weights`` (0: the checkpoint's)
     by an engine of KV identity ``identity`` (its model, dtype, ...: ``records.Namespace``). The same tokens give
-    other KV with other weights, or in another model: a record of either must never reach this engine's blocks."""
+    other KV with other weights, or in another model: a record of either must never reach this engine's blocks.
+    Weights are never negative: CPython hashes -1 as -2, and two weights would give the same KV."""
     if identity:
         return hash((block_hash, weights, identity)) & HASH_BITS
     return block_hash if weights == 0 else hash((block_hash, weights)) & HASH_BITS

@@ -230,13 +230,14 @@ class World:
             del self.pool.by_hash[self.pool.hash_of.pop(block)]
 
     def update_weights(self, weights: int | None = None) -> bool:
-        """An RL loop's weight update in place to ``weights`` (by default, weights no update of this engine loaded
-        before), then vLLM's ``reset_prefix_cache(reset_running_requests=True, reset_connector=True)``: it preempts
-        every running request, drops the GPU prefix cache and resets the connector; KV computed before it is wrong
-        after it, unless the weights are the same. A connector with a shared store learns the engine's identity
-        again when the next step's output arrives (vLLM's workers derive it from the weights they hold), and not
-        before. Refused (False), as vLLM refuses it, while blocks are held by anything but a running request (a
-        load, a loaded request not yet running, a delayed free, the connector itself: PINS)."""
+        """An RL loop's weight update in place to ``weights`` (by default, those its count of updates numbers:
+        engines updated as often hold the same weights, as replicas given the same pushes do), then vLLM's
+        ``reset_prefix_cache(reset_running_requests=True, reset_connector=True)``: it preempts every running request,
+        drops the GPU prefix cache and resets the connector; KV computed before it is wrong after it, unless the
+        weights are the same. A connector with a shared store learns the engine's identity again when the next
+        step's output arrives (vLLM's workers derive it from the weights they hold), and not before. Refused (False),
+        as vLLM refuses it, while blocks are held by anything but a running request (a load, a loaded request not
+        yet running, a delayed free, the connector itself: PINS)."""
         if self.delayed or any(r.blocks and r.state is not State.RUNNING for r in self.requests.values()) \
                 or self.pins and self.pinned():
             return False
@@ -244,7 +245,7 @@ class World:
             self._preempt(self.running.pop(), drop_in_flight=True)
         self.reset_prefix_cache()
         self.updates += 1
-        self.weights = -self.updates if weights is None else weights
+        self.weights = self.updates if weights is None else weights
         for executor in self.executors:
             executor.weights = self.weights
         self.unidentified = self.store is not None

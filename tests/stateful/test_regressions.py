@@ -392,3 +392,16 @@ def test_the_store_is_asked_only_about_blocks_a_hit_could_load(connector, monkey
     second = world.add_request(prompt + [2, 2, 1, 1, 0], 1)  # 6 whole blocks, and a token
     world.run_to_completion()
     assert asked == [first.block_hashes[:3], second.block_hashes[4:6]]  # the GPU holds 4 blocks of the second
+
+
+def test_an_engine_updated_twice_computes_other_kv_than_one_updated_once():
+    """The world numbered an update that names no weights -1, -2, ...; CPython hashes -1 as -2, so an engine
+    updated once and one updated twice computed the same KV under other namespaces: a connector serving one's
+    records to the other passed CONTENT. Default weights now count up from 1."""
+    config = Config(num_gpu_blocks=8)
+    once, twice = (World(config, SpecConnector(config), ListKV(8), Executor()) for _ in range(2))
+    for world, updates in ((once, 1), (twice, 2)):
+        for _ in range(updates):
+            assert world.update_weights()
+    assert once.namespace(0) != twice.namespace(0)
+    assert {once.kv_of(h) for h in range(64)}.isdisjoint(twice.kv_of(h) for h in range(64))
