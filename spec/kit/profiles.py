@@ -22,6 +22,9 @@ _COMMON: dict[str, Any] = dict(deadline=None, report_multiple_bugs=False,
 # Every profile used for reporting runs without the explain phase: explaining a stateful failure costs minutes (a
 # nightly failure found in seconds took minutes to report), and the shrunk program and trace say what it would.
 _NO_EXPLAIN = [p for p in Phase if p is not Phase.explain]
+# For a test that asks only whether the kit catches a bug, and by which invariant: the first failure, unshrunk
+# (``run_conformance(..., phases=FIND_ONLY)``). Shrinking a stateful failure costs 5-300x finding it.
+FIND_ONLY = [p for p in _NO_EXPLAIN if p is not Phase.shrink]
 settings.register_profile(PROFILES["pr"], derandomize=True, max_examples=120, stateful_step_count=40,
                           phases=_NO_EXPLAIN, **_COMMON)
 settings.register_profile(PROFILES["nightly"], max_examples=2000, stateful_step_count=80, phases=_NO_EXPLAIN,
