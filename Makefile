@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install releases redis demo demo-model demo-fleet lint test stateful variants bench gpu-check clean
+.PHONY: install releases redis demo demo-model demo-fleet lint test stateful variants nightly bench gpu-check clean
 
 install: $(STAMP)
 
@@ -49,18 +49,21 @@ demo-model: $(STAMP)
 demo-fleet: $(STAMP)
 	$(PY) -m kvoffload.impl.testing.fleet_demo
 
-# ruff over the tree; mypy over kvoffload.spec (strict), .reference and .impl (config in pyproject.toml). mypy cannot
-# follow setuptools' editable-install import hook, so it reads kvoffload.* through links under .cache/mypy.
+# ruff over the tree; mypy over kvoffload.spec (strict), .reference, .impl and bench/ (config in pyproject.toml).
+# mypy cannot follow setuptools' editable-install import hook, so it reads kvoffload.* through links under
+# .cache/mypy.
 lint: $(STAMP) $(RELEASE_STAMPS)
 	mkdir -p .cache/mypy/kvoffload
 	for p in spec reference impl; do ln -sfn ../../../$$p .cache/mypy/kvoffload/$$p; done
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	MYPYPATH=bench $(PY) -m mypy bench  # the benchmarks are scripts: checked as files, importing each other
 	.venv-vllm/0.11/bin/python -m mypy --cache-dir .cache/mypy_cache_0.11 --follow-imports=silent \
 		-m kvoffload.impl.testing.blackbox.vllm_0_11
 
+# The 25 slowest tests close every run: where the time goes (CI prints it too).
 test: $(STAMP) $(RELEASE_STAMPS) redis
-	$(PY) -m pytest -n auto tests
+	$(PY) -m pytest -n auto --durations=25 tests
 
 stateful: $(STAMP)
 	$(PY) -m pytest -n auto tests/stateful
@@ -68,8 +71,16 @@ stateful: $(STAMP)
 variants: $(STAMP)
 	$(PY) -m pytest -s -q tests/stateful/test_faulty_variants.py
 
+# The long searches make test leaves out (CONTRIBUTING: "Nightly"): the suites in the nightly Hypothesis profile
+# (fresh random programs, 2000 per test), then the black-box hunt of every vLLM connector past its known divergences.
+HUNTS := vllm ours tiering tiering-fleet tiering-backpressure simple-cpu simple-cpu-lazy
+nightly: $(STAMP) $(RELEASE_STAMPS) redis
+	HYPOTHESIS_PROFILE=nightly $(PY) -m pytest -n auto --durations=25 tests/stateful tests/kit tests/vllm/test_blackbox.py
+	for connector in $(HUNTS); do \
+		$(PY) -m kvoffload.impl.testing.blackbox --connector $$connector --past-known --profile nightly || exit 1; done
+
 bench: $(STAMP)
-	$(PY) bench/sched.py
+	$(PY) bench/sched_vs_reference.py
 	$(PY) bench/cpu_copy.py
 
 gpu-check: $(STAMP)

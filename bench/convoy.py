@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                                           (f"{kind}_ttft", row["ttft_ratio"], max)):
                     worst[name] = pick(worst.get(name, value), value)
     finally:
-        for engine in engines.values():
-            engine.close()
+        for process in engines.values():
+            process.close()
     print(f"\noutputs identical with and without the connector: {'yes' if not wrong else 'NO: ' + '; '.join(wrong)}")
     print(f"convoy_throughput_vs_none={worst['shared_tps']:.3f} convoy_ttft_vs_none={worst['shared_ttft']:.3f} "
           f"nohit_throughput_vs_none={worst['unique_tps']:.3f} nohit_ttft_vs_none={worst['unique_ttft']:.3f}")

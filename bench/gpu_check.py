@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import Any, Literal
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,7 @@ def run_tests() -> dict:
                               text=True, timeout=240)
         returncode, output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
-        partial = exc.stdout or b""  # bytes even with text=True
+        partial: bytes | str = exc.stdout or b""  # bytes even with text=True, on POSIX
         returncode = None
         output = (partial.decode(errors="replace") if isinstance(partial, bytes) else partial) + "\n[timed out]"
     lines = output.rstrip().splitlines()
@@ -107,7 +108,7 @@ def bench_ours(views: list, warmup: int, repeats: int) -> dict[str, float]:
              "load": copier.plan("load", load_blocks, load_rows)}
     submitted: list[int] = []
 
-    def submit(*kinds: str) -> None:
+    def submit(*kinds: Literal["store", "load"]) -> None:
         for kind in kinds:
             submitted.append(len(submitted))
             executor.submit(Job(submitted[-1], "bench", kind, (), plans[kind]))
@@ -221,7 +222,7 @@ def main() -> int:
     # tests first, in their own process, before this one holds GPU or pinned memory
     report["tests"] = {"passed": True, "skipped_by_flag": True} if args.skip_tests else run_tests()
 
-    summary = {"gpu_tests": "passed" if report["tests"]["passed"] else "failed"}
+    summary: dict[str, Any] = {"gpu_tests": "passed" if report["tests"]["passed"] else "failed"}
     try:
         rows = bench_transfers(device, args.warmup, args.repeats)
     except Exception:  # noqa: BLE001 - still write the report, with the reason

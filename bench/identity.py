@@ -62,7 +62,7 @@ def main() -> None:
         load()  # the file into the page cache
         load_seconds = median_seconds(load, repeats)
     digest = median_seconds(lambda: weights_digest(model), repeats)
-    fold_model = torch.nn.Sequential(*list(model)[:1])  # the fold is slow on a CPU: one layer stands for all
+    fold_model = torch.nn.Sequential(*list(model.children())[:1])  # the fold is slow on a CPU: one layer stands for all
     fold_bytes = sum(p.numel() * p.element_size() for p in fold_model.parameters())
     fold = median_seconds(lambda: weights_digest(fold_model, strategy="fold"), repeats) * nbytes / fold_bytes
     for name, seconds in (("load (safetensors, page cache)", load_seconds), ("digest (host, xxh3-128)", digest),

@@ -2,11 +2,11 @@
 
 The same prefix-heavy decode workload is recorded twice with the spec connector in the world model, without and
 with a store, and each trace is replayed through the production connector, side by side, timing only its
-scheduler-side calls (see ``bench/sched.py``). With the store, every lookup of a new request asks it, every store
-that lands is put, and hits come from it too; each check also goes to a real filesystem tier (``FileTier`` on a
-temporary directory), in the time measured, and so does each put the scheduler side learns of: what the scheduler
-thread pays for the tier's index (listings run on its I/O threads; an answer that waits for one is waited for
-after each plan, as the forward pass would). Last line:
+scheduler-side calls (see ``bench/sched_vs_reference.py``). With the store, every lookup of a new request asks it,
+every store that lands is put, and hits come from it too; each check also goes to a real filesystem tier
+(``FileTier`` on a temporary directory), in the time measured, and so does each put the scheduler side learns of:
+what the scheduler thread pays for the tier's index (listings run on its I/O threads; an answer that waits for one
+is waited for after each plan, as the forward pass would). Last line:
 ``sched_shared_tier_vs_off=<on/off>``, the worse of the ratios at 256 and 1024 live requests (each the median over
 rounds of a ratio timed side by side).
 
@@ -19,7 +19,7 @@ import argparse
 import sys
 import tempfile
 
-from sched import NAMESPACE, KnownRecords, paired, record_trace, side_by_side  # noqa: E402 - bench/ is its directory
+from sched_vs_reference import NAMESPACE, KnownRecords, paired, record_trace, side_by_side  # noqa: E402 - bench/ is its directory
 
 from kvoffload.impl import OffloadConnector
 from kvoffload.impl.tiers.fs import FileTier

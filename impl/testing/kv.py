@@ -19,7 +19,8 @@ class LayeredKV:
     ``write`` fills a block's spans in every view with bytes derived from its content id; ``holds`` checks them."""
 
     def __init__(self, num_blocks: int, shape: str = "kv_first", layers: int = 2, block_size: int = 2,
-                 heads: int = 2, head_dim: int = 4, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
+                 heads: int = 2, head_dim: int = 4, dtype: torch.dtype = torch.bfloat16,
+                 device: str | torch.device = "cpu"):
         dims = SHAPES[shape](num_blocks, block_size, heads, head_dim)
         count = 1 if shape == "cross_layer" else layers
         self.num_blocks = num_blocks

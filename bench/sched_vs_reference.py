@@ -7,7 +7,7 @@ calls. Prints µs per step and µs per changed block (GPU block ids the batch ha
 ``sched_ratio_vs_reference=<impl/reference>``, the worse of the ratios at 256 and 1024 live requests.
 ``--groups`` runs a hybrid model instead (KV cache groups as ``str(Group)`` writes them: ``512,full@32``).
 
-    python bench/sched.py [--steps 60] [--live 16 64 256 1024] [--groups 512,full]
+    python bench/sched_vs_reference.py [--steps 60] [--live 16 64 256 1024] [--groups 512,full]
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class Recorder:
     """Wraps the spec connector and writes down each scheduler-side call with the request state it saw."""
 
     def __init__(self, connector: SpecConnector, world: World) -> None:
-        self.connector, self.world, self.trace = connector, world, []
+        self.connector, self.world = connector, world
+        self.trace: list[tuple[Any, ...]] = []
         self.steps = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -113,7 +114,8 @@ class KnownRecords:
 
     def __init__(self, backend: SharedTier | None = None) -> None:
         self.names: set[tuple[str, int]] = set()  # (weights, key)
-        self.backend, self.pending = backend, []  # the backend's answers, not waited for yet
+        self.backend = backend
+        self.pending: list[Any] = []  # the backend's answers, not waited for yet
         self.checks = 0  # in the measured steps
         self.spent = 0.0  # seconds inside its own ``ask``: the replay takes them out of the connector's
 
@@ -178,7 +180,8 @@ class Replay:
                  hashes: dict[str, list[int]], store: KnownRecords | None = None) -> None:
         self.connector, self.trace, self.measured_from = connector_class(config), trace, measured_from
         self.hashes = hashes
-        self.store, self.requests, self.next = store, {}, 0
+        self.store, self.next = store, 0
+        self.requests: dict[str, Any] = {}
         self.spent, self.changed = 0.0, 0
         if store is not None:
             self.connector.attach_shared_tier(store.open, NAMESPACE)  # the scheduler side only
