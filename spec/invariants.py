@@ -62,14 +62,16 @@ class Violation(AssertionError):
 
 class ConnectorError(Violation):
     """RAISED — the connector (or the world, on what the connector returned) raised an exception of its own during a
-    kit run: an IndexError, an assert in its code. Reported as a violation naming the exception's type and text;
-    the exception itself is the ``__cause__``."""
+    kit run: an IndexError, an assert in its code. Reported as a violation naming the exception's type, its text and
+    where it was raised (``where``: file, line and function); the exception itself is the ``__cause__``."""
 
     raised: str  # the exception's type, by name
+    where: str  # "file:line in function", or "" when unknown
 
-    def __init__(self, raised: Exception) -> None:
-        self.raised = type(raised).__name__
-        super().__init__("RAISED", f"the connector raised {self.raised}" + (f": {raised}" if str(raised) else ""))
+    def __init__(self, raised: Exception, where: str = "") -> None:
+        self.raised, self.where = type(raised).__name__, where
+        super().__init__("RAISED", f"the connector raised {self.raised}" + (f": {raised}" if str(raised) else "")
+                         + (f" (at {where})" if where else ""))
         self.__cause__ = raised
 
     @property

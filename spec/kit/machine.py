@@ -7,7 +7,11 @@ rule, ``declare`` for a check. Its precondition and the coverage report's skippe
 
 from __future__ import annotations
 
+import sys
+import sysconfig
+import traceback
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, TypeVar, cast
 
 from attrs import evolve, fields
@@ -64,6 +68,25 @@ def needs(capability: str | None = None, *, switch: str | None = None, mode: str
             return held
         return precondition(guard)(method)
     return decorate
+
+
+SPEC_DIR = Path(__file__).resolve().parents[1]  # the kit and the world: never where a connector's bug is
+STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+
+def raised_at(exc: BaseException) -> str:
+    """Where the connector raised ``exc``: the innermost frame of its traceback outside the kit, the world and the
+    standard library (else the innermost frame: the world raised on what the connector returned), as ``file:line
+    in function``, the file relative to the ``sys.path`` entry that holds it."""
+    frames = [(Path(frame.f_code.co_filename).resolve(), line, frame.f_code.co_qualname)
+              for frame, line in traceback.walk_tb(exc.__traceback__)]
+    if not frames:
+        return ""
+    path, line, function = next((f for f in reversed(frames) if not f[0].is_relative_to(SPEC_DIR)
+                                 and not f[0].is_relative_to(STDLIB)), frames[-1])
+    roots = [Path(p).resolve() for p in sys.path if p] + [Path.cwd()]
+    root = max((r for r in roots if path.is_relative_to(r)), key=lambda r: len(r.parts), default=None)
+    return f"{path.relative_to(root) if root else path}:{line} in {function}"
 
 
 class ConformanceMachine(RuleBasedStateMachine):
@@ -140,7 +163,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             yield
         except Exception as exc:
             self.failed = True  # teardown must not bury this failure under a second one
-            violation = exc if isinstance(exc, Violation) else ConnectorError(exc)
+            violation = exc if isinstance(exc, Violation) else ConnectorError(exc, raised_at(exc))
             violation.rules_run = len(self.trace)  # the program's length, reported per faulty variant
             violation.trace = list(self.trace)  # the last run Hypothesis raises from is the shrunk one
             violation.coverage = self.coverage

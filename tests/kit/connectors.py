@@ -80,6 +80,22 @@ class RaisesAtFinish(SpecConnector):
         raise IndexError("slot out of range")
 
 
+class AssertsAtFinish(SpecConnector):
+    """A connector whose own assert fails as a request finishes."""
+
+    def request_finished(self, request, block_ids):
+        assert request.num_prompt_tokens < 1, "a request with a prompt finished"
+        return super().request_finished(request, block_ids)
+
+
+class AssertsAtLookup(SpecConnector):
+    """A connector whose own assert fails at its first lookup of a request with a whole block."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        assert request.num_prompt_tokens < 2, "a prompt of two tokens"
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
 class DelaysEveryFree(DelaysFrees):
     """Cautious, and safe: every free is delayed, whether or not a store is in flight, and each delayed request is
     reported in finished_sending only ``HOLD`` polls after its stores drained."""

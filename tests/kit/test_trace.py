@@ -1,6 +1,7 @@
 """A failing run's JSON Lines trace replays to the same failure, in this process and from the command line."""
 
 import functools
+import inspect
 import json
 import subprocess
 import sys
@@ -11,9 +12,10 @@ from kvoffload.spec import SpecConnector, Violation
 from kvoffload.spec.invariants import ConnectorError
 from kvoffload.spec.kit import run_conformance
 from kvoffload.spec.kit.machine import make_machine
+from kvoffload.spec.kit.profiles import FIND_ONLY
 from kvoffload.spec.kit.trace import UnreplayableTrace, read_trace, replay, write_trace
 
-from .connectors import SCENARIO, ForgetsDelayedFrees, RaisesAtFinish
+from .connectors import SCENARIO, AssertsAtFinish, AssertsAtLookup, ForgetsDelayedFrees, RaisesAtFinish
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,25 @@ def test_replay_against_a_fixed_connector_passes(failure):
     replay(path, adapter=SpecConnector)
 
 
+def line_of(cls, text: str) -> int:
+    lines, first = inspect.getsourcelines(cls)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_two_asserts_of_the_connector_are_told_apart_by_where_they_were_raised():
+    """Two bugs that both raise AssertionError: each finding names its own file, line and function."""
+    found = []
+    for connector in (AssertsAtFinish, AssertsAtLookup):
+        with pytest.raises(ConnectorError) as caught:
+            run_conformance(connector, SCENARIO, profile="pr", phases=FIND_ONLY)
+        found.append(caught.value)
+    assert [f.finding for f in found] == ["RAISED AssertionError"] * 2
+    assert found[0].where == f"tests/kit/connectors.py:{line_of(AssertsAtFinish, 'assert request')} in " \
+                             "AssertsAtFinish.request_finished"
+    assert found[1].where == f"tests/kit/connectors.py:{line_of(AssertsAtLookup, 'assert request')} in " \
+                             "AssertsAtLookup.get_num_new_matched_tokens"
+
+
 def test_an_exception_of_the_connector_is_a_violation_that_replays(tmp_path):
     """Nothing is pinned on the connector's own exception: the kit reports a ConnectorError (RAISED) caused by it."""
     path = tmp_path / "raises.jsonl"
@@ -76,6 +97,8 @@ def test_an_exception_of_the_connector_is_a_violation_that_replays(tmp_path):
     error = caught.value
     assert isinstance(error.__cause__, IndexError) and not hasattr(error.__cause__, "rules_run")
     assert error.finding == "RAISED IndexError" and "the connector raised IndexError: slot out of range" in str(error)
+    assert error.where == f"tests/kit/connectors.py:{line_of(RaisesAtFinish, 'raise IndexError')} in " \
+                          "RaisesAtFinish.request_finished" and f"(at {error.where})" in str(error).splitlines()[0]
     assert error.rules_run == len(error.trace) > 0 and error.coverage.examples > 0
     assert read_trace(path)[0]["failure"] == f"ConnectorError: {str(error).splitlines()[0]}"
     with pytest.raises(ConnectorError) as again:
