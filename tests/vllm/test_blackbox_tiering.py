@@ -2,6 +2,7 @@
 the worker over the tier's real shared CPU region, so the bytes the tier writes to its files and reads back are
 checked on the GPU; the tier's I/O runs when the kit says (``blackbox.tiering``)."""
 
+import re
 from collections import Counter
 from dataclasses import replace
 from functools import partial
@@ -257,3 +258,17 @@ def test_the_hunt_runs_fleets_on_one_directory(tmp_path, capsys):
     assert all(" lru " not in line for line in lines[:-1]) or not release().lru_starves
     assert all("engines=3" in line and "file-faults" in line and ": ok" in line for line in lines[:-1])
     assert len(lines) == configurations + 1
+
+
+def test_the_hunt_stops_at_its_first_finding_with_first(tmp_path, capsys):
+    """``--first``: the grid stops at the first configuration that fails (vLLM's tiering as it is: its files outlive
+    a weight update), and the summary says how long the finding took (the mutation profile: no shrinking)."""
+    from kvoffload.impl.testing.blackbox.__main__ import main
+    assert main(["--connector", "tiering", "--profile", "mutation", "--examples", "40", "--chunk-blocks", "1",
+                 "--first", "--traces", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    ran = [line for line in lines if line.startswith("[")]
+    assert ": FAIL " in ran[-1] and all(": ok " in line for line in ran[:-1])
+    assert re.fullmatch(r"first finding after \d+ s", lines[-2])
+    assert lines[-1] == f"{len(ran) - 1} of {len(ran)} configurations passed ({36 - len(ran)} not run: --first)"
+    assert (tmp_path / f"tiering-{len(ran)}.jsonl").exists()

@@ -1,7 +1,8 @@
 """The hunt: a vLLM connector through the kit over a grid of configurations, one line per configuration.
 
 ``python -m kvoffload.impl.testing.blackbox [--connector vllm|ours|tiering|tiering-fleet|tiering-backpressure|
-simple-cpu|simple-cpu-lazy] [--past-known] [--examples N] [--groups 4,full ...]``, against the installed vLLM.
+simple-cpu|simple-cpu-lazy] [--past-known] [--examples N] [--groups 4,full ...] [--first]``, against the installed
+vLLM (``--first``: stop at the first finding; the summary says how long it took to find).
 ``tiering`` is vLLM's ``TieringOffloadingSpec`` with its fs tier on a directory of its own, ``tiering-fleet`` three
 engines with their fs tiers on one directory, ``tiering-backpressure`` one on a slow disk with vLLM's back-pressure
 detector (each with file faults: a file removed or torn between its lookup and its read, a slow file job),
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=parse_groups, nargs="+", default=[parse_groups("full")],
                         help="models to run, each its KV cache groups: e.g. full (the default), 4,full, 4")
     parser.add_argument("--traces", type=Path, default=Path("kvoffload-traces"))
+    parser.add_argument("--first", action="store_true", help="stop at the first finding (its program is shrunk and "
+                                                              "written as always)")
     args = parser.parse_args(argv)
     logging.getLogger("vllm").setLevel(logging.ERROR)  # the hunt's own lines, not vLLM's warnings
     factory = FACTORIES[args.connector][args.past_known]
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = list(itertools.product(args.groups, (1,) if simple else args.chunk_blocks, (0, 1, 3), tiers,
                                   (True,) if simple else (True, False), policies))
     findings: dict[str, list[str]] = {}  # by kind: safety, liveness, connector error, ...
+    began, first = time.perf_counter(), None  # first: seconds to the first finding (its shrink included)
     for n, (groups, k, delay, tier, prefix_caching, policy) in enumerate(grid, 1):
         config = Config(num_gpu_blocks=9 * (len(groups) + 1), offload_block_size=2 * k, tier_blocks=tier,
                         prefix_caching=prefix_caching, policy=policy, groups=groups)  # groups share the GPU pool
@@ -91,11 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         except Violation as found:  # a finding: report it and go on with the grid
             verdict = f"FAIL {str(found).splitlines()[0]} (program: {trace})"
             findings.setdefault(found.kind, []).append(f"[{n}] {found.finding}: {trace}")
+            first = time.perf_counter() - began if first is None else first
         print(f"[{n}/{len(grid)}] {scenario}: {verdict} ({time.perf_counter() - start:.0f} s)", flush=True)
+        if findings and args.first:
+            break
     for kind, lines in sorted(findings.items()):
         print(f"{kind} findings:", *lines, sep="\n  ")
+    if first is not None:
+        print(f"first finding after {first:.0f} s")
     failed = sum(map(len, findings.values()))
-    print(f"{len(grid) - failed} of {len(grid)} configurations passed")
+    print(f"{n - failed} of {n} configurations passed" + (f" ({len(grid) - n} not run: --first)" if n < len(grid)
+                                                           else ""))
     return 1 if failed else 0
 
 
