@@ -61,12 +61,13 @@ lint: $(STAMP) $(RELEASE_STAMPS)
 	.venv-vllm/0.11/bin/python -m mypy --cache-dir .cache/mypy_cache_0.11 --follow-imports=silent \
 		-m kvoffload.impl.testing.blackbox.vllm_0_11
 
-# The 25 slowest tests close every run: where the time goes (CI prints it too).
+# The 25 slowest tests close every run: where the time goes (CI prints it too). String hashes are pinned, so that a
+# connector's set orders (vLLM's block hashes, request ids) are the same in every run and every trace replays.
 test: $(STAMP) $(RELEASE_STAMPS) redis
-	$(PY) -m pytest -n auto --durations=25 tests
+	PYTHONHASHSEED=0 $(PY) -m pytest -n auto --durations=25 tests
 
 stateful: $(STAMP)
-	$(PY) -m pytest -n auto tests/stateful
+	PYTHONHASHSEED=0 $(PY) -m pytest -n auto tests/stateful
 
 variants: $(STAMP)
 	$(PY) -m pytest -s -q tests/stateful/test_faulty_variants.py
@@ -75,9 +76,9 @@ variants: $(STAMP)
 # (fresh random programs, 2000 per test), then the black-box hunt of every vLLM connector past its known divergences.
 HUNTS := vllm ours tiering tiering-fleet tiering-backpressure simple-cpu simple-cpu-lazy
 nightly: $(STAMP) $(RELEASE_STAMPS) redis
-	HYPOTHESIS_PROFILE=nightly $(PY) -m pytest -n auto --durations=25 tests/stateful tests/kit tests/vllm/test_blackbox.py
+	HYPOTHESIS_PROFILE=nightly PYTHONHASHSEED=0 $(PY) -m pytest -n auto --durations=25 tests/stateful tests/kit tests/vllm/test_blackbox.py
 	for connector in $(HUNTS); do \
-		$(PY) -m kvoffload.impl.testing.blackbox --connector $$connector --past-known --profile nightly || exit 1; done
+		PYTHONHASHSEED=0 $(PY) -m kvoffload.impl.testing.blackbox --connector $$connector --past-known --profile nightly || exit 1; done
 
 bench: $(STAMP)
 	$(PY) bench/sched_vs_reference.py

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -81,12 +82,20 @@ def resolve(name: str) -> Any:
     return obj
 
 
+def hash_seed() -> str | None:
+    """The ``PYTHONHASHSEED`` this process was started with, None when its hashes of strings and bytes are random:
+    the order of a set of them (request ids, vLLM's block hashes), and so what a connector that iterates one does,
+    is then the process's own."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    return None if seed in (None, "random") or (seed == "0") == bool(sys.flags.hash_randomization) else seed
+
+
 def write_trace(path: Path, machine: type[ConformanceMachine], failure: Violation) -> None:
     """Write the failure's program; ``UnreplayableTrace`` (nothing written) if a factory has no import name."""
     header = {"kvoffload_trace": 1, "spec_version": SPEC_VERSION,
               "adapter": importable_name(machine.factory, "factory"), "kv": importable_name(machine.kv_factory,
                                                                                             "kv factory"),
-              "level": machine.level, "scenario": asdict(machine.scenario),
+              "level": machine.level, "scenario": asdict(machine.scenario), "hash_seed": hash_seed(),
               "failure": f"{type(failure).__name__}: {failure}".splitlines()[0]}
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as out:
@@ -129,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace", type=Path)
     args = parser.parse_args(argv)
     header, program = read_trace(args.trace)
+    recorded = header.get("hash_seed")
+    if recorded is not None and recorded != hash_seed():  # the recording's set orders: this process again, pinned
+        print(f"note: replaying under PYTHONHASHSEED={recorded}, as recorded", file=sys.stderr, flush=True)
+        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, str(args.trace)],
+                  {**os.environ, "PYTHONHASHSEED": recorded})
+    if recorded is None:
+        print("note: recorded with random string hashes: a connector that iterates a set of strings or bytes may take "
+              "another path (record under PYTHONHASHSEED=0)", file=sys.stderr)
     print(f"replaying {len(program)} rules against {header['adapter']}; recorded: {header['failure']}")
     replay(args.trace)
     print("the program passes now")

@@ -96,6 +96,16 @@ class AssertsAtLookup(SpecConnector):
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
 
+class FailsInSetOrder(SpecConnector):
+    """A bug that shows in some processes only: whether a request's finish raises depends on the order of a set of
+    request ids, which is the process's string hash seed's (under PYTHONHASHSEED=0 r1's raises, under 1 none does)."""
+
+    def request_finished(self, request, block_ids):
+        if next(iter({request.req_id, "r0"})) != "r0":
+            raise IndexError(f"{request.req_id} before r0")
+        return super().request_finished(request, block_ids)
+
+
 class DelaysEveryFree(DelaysFrees):
     """Cautious, and safe: every free is delayed, whether or not a store is in flight, and each delayed request is
     reported in finished_sending only ``HOLD`` polls after its stores drained."""

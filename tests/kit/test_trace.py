@@ -3,8 +3,10 @@
 import functools
 import inspect
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -172,3 +174,35 @@ def test_a_factory_without_an_import_name_is_refused_before_anything_is_written(
     with pytest.raises(UnreplayableTrace, match=f"cannot write a replayable trace: factory .* {why}.*replay\\("):
         write_trace(path, make_machine(factory), violation)
     assert not path.exists()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORD = """
+import sys
+from kvoffload.spec.kit import run_conformance
+from tests.kit.connectors import SCENARIO, FailsInSetOrder
+run_conformance(FailsInSetOrder, SCENARIO, profile="pr", trace=sys.argv[1])
+"""
+
+
+def test_a_trace_replays_under_the_hash_seed_it_was_recorded_with(tmp_path):
+    """A program that fails only under some string hash seeds replays the same from a process of any seed: the trace
+    records PYTHONHASHSEED and the replay runs again under it. Recorded without one, the replay says so."""
+    path = tmp_path / "set-order.jsonl"
+
+    def python(seed: str, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT)
+
+    recorded = python("0", "-c", RECORD, str(path))
+    assert "RAISED" in recorded.stderr and read_trace(path)[0]["hash_seed"] == "0", recorded.stderr[-2000:]
+    finding = read_trace(path)[0]["failure"].split(": ", 1)[1]
+    again = python("1", "-m", "kvoffload.spec.kit.trace", str(path))
+    assert again.returncode != 0 and finding in again.stderr, again.stderr[-2000:]
+    assert "replaying under PYTHONHASHSEED=0, as recorded" in again.stderr
+    # the same program, its seed unknown, in a process of another seed: it passes (the pin is what replays it)
+    header, rules = read_trace(path)
+    path.write_text("\n".join(json.dumps(line) for line in [header | {"hash_seed": None},
+                                                              *({"rule": n, "args": a} for n, a in rules)]))
+    unknown = python("1", "-m", "kvoffload.spec.kit.trace", str(path))
+    assert "recorded with random string hashes" in unknown.stderr and "the program passes now" in unknown.stdout
