@@ -150,13 +150,13 @@ class KnownRecords:
         def exists(self, keys: Sequence[int]) -> list[bool]:
             return [(self.weights, key) in self.records.names for key in keys]
 
-        def ask(self, keys: Sequence[int]) -> KnownRecords.Known:
+        def ask(self, keys: Sequence[int], fresh: bool = False) -> KnownRecords.Known:
             start, records = time.perf_counter(), self.records
             records.checks += 1
             answer = KnownRecords.Known(self.exists(keys))
             records.spent += time.perf_counter() - start
             if records.backend is not None:
-                records.pending.append(records.backend.ask(keys))
+                records.pending.append(records.backend.ask(keys, fresh))
             return answer
 
         def put(self, records: Sequence[tuple[int, bytes]]) -> list[str]:

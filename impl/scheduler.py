@@ -39,12 +39,13 @@ class RequestState:
 class StoreLookup:
     """A waiting request's existence check in the shared store: asked once per admission, answered or given up
     after ``Config.lookup_deadline`` (the store's clock), then at most one get of the records that lengthen its
-    hit."""
+    hit; if that get fails, asked once more (the store quarantined what was damaged: the hit before it serves)."""
 
     keys: list[Key]
     answer: Answer
     get_job: int | None = None
     settled: bool = False
+    asked_again: bool = False
 
 
 @define(slots=True)
@@ -435,15 +436,22 @@ class OffloadScheduler:
                 self.counters["loaded_blocks" if success else "failed_loads"] += len(transfer.copies)
 
     def _got(self, get: Transfer, success: bool) -> None:
-        """A get ended: its records are tier entries now, or none is; the lookup it served is settled."""
+        """A get ended: its records are tier entries now, or none is; the lookup it served is settled, or asks the
+        store again after its first failed get."""
         if not success:
             self._leaving.update(get.keys)
         self.tier.complete_store(get.keys, success)
         self._getting.difference_update(get.keys)
         self.counters["shared_got_blocks" if success else "shared_failed_gets"] += len(get.copies)
-        state = self._get_for.pop(get.job_id)
-        if state.store_lookup is not None and state.store_lookup.get_job == get.job_id:
-            state.store_lookup.settled = True
+        lookup = self._get_for.pop(get.job_id).store_lookup
+        if lookup is None or lookup.get_job != get.job_id:
+            return
+        if success or lookup.asked_again:
+            lookup.settled = True
+        else:
+            lookup.answer = cast(SharedStore, self.shared).at().ask(lookup.keys, fresh=True)
+            lookup.get_job, lookup.asked_again = None, True
+            self.counters["shared_lookups"] += 1
 
     def has_pending_push_work(self) -> bool:
         """Transfers in flight, or stores landed since the last plan whose put into the shared store the next plan
@@ -453,6 +461,7 @@ class OffloadScheduler:
     def request_finished(self, request: RequestView, block_ids: BlockIds) -> bool:
         state = self._state(request.req_id)
         del self.requests[request.req_id]
+        state.store_lookup = None  # a get in flight for it settles nothing now
         self.refusing.discard(request.req_id)
         if state.unfinished_stores:  # they still read its blocks, which the engine frees now: flushed before reuse
             self._flush_next |= {t.job_id for t in self.unfinished.values()

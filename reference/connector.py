@@ -66,12 +66,14 @@ class TensorKV:
 @define
 class StoreLookup:
     """One waiting request's question to the shared store, until it is admitted: asked once; answered, or given up
-    after ``Config.lookup_deadline`` on the store's clock; then at most one get of what it found."""
+    after ``Config.lookup_deadline`` on the store's clock; then at most one get of what it found. A failed get asks
+    the store once more (the damaged records are quarantined by then: the hit before them still serves)."""
 
     keys: list[int]
     answer: Answer
     get_job: int | None = None
     done: bool = False
+    second_ask: bool = False
 
 
 class ReferenceConnector:
@@ -363,7 +365,13 @@ class ReferenceConnector:
                 self.tier.complete_store(transfer.keys, success)
                 self._being_got -= set(transfer.keys)
                 for lookup in self._store_lookups.values():
-                    lookup.done = lookup.done or lookup.get_job == job_id
+                    if lookup.get_job != job_id:
+                        continue
+                    if success or lookup.second_ask:
+                        lookup.done = True
+                    else:
+                        lookup.answer, lookup.get_job = self._opened_store().ask(lookup.keys, fresh=True), None
+                        lookup.second_ask = True
             elif transfer.kind == "put":
                 self.tier.complete_load(transfer.keys)  # unpinned: the tier's copy is as good as before
                 if success:  # the store holds every record now

@@ -33,10 +33,11 @@ Scheduler side
     it with the next plan, pinned until the put ends; a waiting request's lookup first asks the store about the
     keys a hit could read that the tier lacks (once per admission), answers "ask again" (None) until the store
     answers, gives up once the check is older than ``Config.lookup_deadline`` (the store's clock), and gets the
-    records that lengthen its hit into reserved tier entries, to load from there. The engine attaches the store
-    with its identity (``records.Namespace``, the weights it computes with included), and again after every reset:
-    from a reset until that attach, the store is neither asked nor written (no identity is assumed, least of all
-    "the one before, plus one"), and every put and get is made in the namespace of its time.
+    records that lengthen its hit into reserved tier entries, to load from there (a failed get asks once more: what
+    the store found damaged is gone by then, and the blocks checked before it still serve). The engine attaches
+    the store with its identity (``records.Namespace``, the weights it computes with included), and again after
+    every reset: from a reset until that attach, the store is neither asked nor written (no identity is assumed,
+    least of all "the one before, plus one"), and every put and get is made in the namespace of its time.
 
 Worker side
   * handle_preemptions, the one hook before the forward pass, flushes the plan's ``flush`` list: the stores of
@@ -87,12 +88,15 @@ class Transfer:
 @define
 class SharedLookup:
     """A waiting request's lookup in the shared store, for one admission: one existence check, then at most one get
-    of the records it found into the tier. Once settled, the request is answered from the tier alone."""
+    of the records it found into the tier. A get that fails asks the store again, once: the store has quarantined
+    the records it found damaged by then, so the second answer's hit ends before the first of them, and the checked
+    blocks before it still serve. Once settled, the request is answered from the tier alone."""
 
     keys: list[Key]  # asked about: the keys a hit could read that the tier lacks
     answer: Answer
     get: int | None = None  # the get in flight for it
     settled: bool = False
+    asked_again: bool = False
 
 
 @define
@@ -336,11 +340,20 @@ class SpecConnector:
             self.tier.complete_store(transfer.keys, success)
             self.getting.difference_update(transfer.keys)
             for lookup in self.lookups.values():
-                lookup.settled |= lookup.get == transfer.job_id
+                if lookup.get == transfer.job_id:
+                    self._got(lookup, success)
         else:  # a put never makes its entries stale: the tier still holds what it read
             self.tier.complete_load(transfer.keys, success or transfer.kind == "put")
             if transfer.kind == "put" and success:  # every record is in the store (this worker's or another's)
                 self.tier.events.append(Event("stored", tuple(transfer.keys), SHARED_MEDIUM))
+
+    def _got(self, lookup: SharedLookup, success: bool) -> None:
+        """Its get ended: the lookup is settled, unless that get failed and the store was not asked again yet."""
+        if success or lookup.asked_again:
+            lookup.settled = True
+        else:
+            namespace = registered(self.namespace, "namespace")
+            lookup.answer, lookup.get, lookup.asked_again = self._shared(namespace.weights).ask(lookup.keys, fresh=True), None, True
 
     def request_finished(self, request: RequestView, block_ids: BlockIds) -> bool:
         """Free now: the stores still reading the request's blocks are flushed with the next plan, before the engine

@@ -51,8 +51,10 @@ class SharedTier(Protocol):
 
     def exists(self, keys: Sequence[RecordKey]) -> list[bool]: ...
 
-    def ask(self, keys: Sequence[RecordKey]) -> Answer:
-        """``exists``, answered later: the engine does not wait for a store."""
+    def ask(self, keys: Sequence[RecordKey], fresh: bool = False) -> Answer:
+        """``exists``, answered later: the engine does not wait for a store. ``fresh``: answered by the store as it
+        is after the ask, never from what this reader remembers of it (a lookup's second ask, after a get that
+        failed: the records the get found damaged are gone)."""
         ...
 
     def get(self, keys: Sequence[RecordKey], into: Sequence[memoryview]) -> list[bool]:
@@ -200,7 +202,7 @@ class StoreView:
     def exists(self, keys: Sequence[RecordKey]) -> list[bool]:
         return [self.store.up and self.store._touch(self._name(key)) for key in keys]
 
-    def ask(self, keys: Sequence[RecordKey]) -> Query:
+    def ask(self, keys: Sequence[RecordKey], fresh: bool = False) -> Query:  # this store remembers nothing: fresh
         query = Query(self.store, tuple(map(self._name, keys)), self.store.ticks)
         self.store.queries.append(query)
         if not self.store.delay and self.store.up:

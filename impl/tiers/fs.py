@@ -43,6 +43,8 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 from kvoffload.spec.records import (Bytes, Namespace, RecordError, RecordKey, check_record, decode_key, encode_key,
                                     header_size, seal)
 
+from .answers import FutureAnswer, IndexAnswer
+
 
 T = TypeVar("T")
 
@@ -61,24 +63,6 @@ def _fsync_directory(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class IndexAnswer:
-    """An existence check, answered when asked (from the index): never waited for."""
-
-    __slots__ = ("found",)
-
-    def __init__(self, found: list[bool]) -> None:
-        self.found = found
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> list[bool]:
-        return self.found
-
-    def waited(self) -> float:
-        return 0.0
 
 
 class FileTier:
@@ -141,10 +125,14 @@ class FileTier:
         """Which records are there; each one found has its lease renewed (a load of it is likely to follow)."""
         return [self._renew(self.path(key)) for key in keys]
 
-    def ask(self, keys: Sequence[RecordKey]) -> IndexAnswer:
+    def ask(self, keys: Sequence[RecordKey], fresh: bool = False) -> IndexAnswer | FutureAnswer:
         """Which records are there, by the index. An index older than ``refresh`` seconds is listed again on an I/O
         thread, the answer given from the one at hand; one older than four periods (an idle spell: replicas may have
-        written much since) is listed first, on the spot, if the last listing took at most ``SPOT_LISTING``."""
+        written much since) is listed first, on the spot, if the last listing took at most ``SPOT_LISTING``.
+        ``fresh``: each file is looked for on an I/O thread (the index may still hold a record that another
+        process's get quarantined a moment ago)."""
+        if fresh:
+            return FutureAnswer(self._pool.submit(self.exists, list(keys)))
         with self._lock:
             age = time.monotonic() - self._listed_at
             if age < self._period or self._listing:

@@ -33,9 +33,8 @@ import json
 import os
 import socket
 import threading
-import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence, cast
 from urllib.parse import urlsplit
 
@@ -49,6 +48,7 @@ from redis.retry import Retry
 
 from kvoffload.spec.records import Bytes, Namespace, RecordError, RecordKey, check_record, encode_key, header_size, seal
 
+from .answers import FutureAnswer
 from .fs import TierError
 
 PREFIX = "kvoffload"
@@ -133,24 +133,6 @@ def _reason(error: Exception) -> str:
     if isinstance(error, redis.ResponseError):  # redis-py keeps the server's code apart when it knows it
         return str(getattr(error, "status_code", None) or (str(error).split() or ["error"])[0]).lower()
     return type(error).__name__
-
-
-class RedisAnswer:
-    """An existence check running on the tier's ask thread."""
-
-    __slots__ = ("asked_at", "future")
-
-    def __init__(self, future: Future[list[bool]]) -> None:
-        self.asked_at, self.future = time.monotonic(), future
-
-    def done(self) -> bool:
-        return self.future.done()
-
-    def result(self) -> list[bool]:
-        return self.future.result()
-
-    def waited(self) -> float:
-        return time.monotonic() - self.asked_at
 
 
 class _Read:
@@ -329,8 +311,9 @@ class RedisTier:
         replies = self._pipeline("exists", list(map(self.name, keys)))
         return [not self._failed(reply) and reply == 1 for reply in replies]
 
-    def ask(self, keys: Sequence[RecordKey]) -> RedisAnswer:
-        return RedisAnswer(self._asks.submit(self.exists, list(keys)))
+    def ask(self, keys: Sequence[RecordKey], fresh: bool = False) -> FutureAnswer:
+        """The server's answer, on the tier's ask thread: always fresh."""
+        return FutureAnswer(self._asks.submit(self.exists, list(keys)))
 
     def get(self, keys: Sequence[RecordKey], into: Sequence[memoryview]) -> list[bool]:
         """Each record's first ``header + payload + 1`` bytes (no value, whatever its size, takes more memory here

@@ -405,3 +405,30 @@ def test_an_engine_updated_twice_computes_other_kv_than_one_updated_once():
             assert world.update_weights()
     assert once.namespace(0) != twice.namespace(0)
     assert {once.kv_of(h) for h in range(64)}.isdisjoint(twice.kv_of(h) for h in range(64))
+
+
+@pytest.mark.parametrize("connector", ["spec", "reference", "production"])
+def test_a_damaged_record_costs_only_the_blocks_from_it_on(connector):
+    """Found by a user (issue 38): with 8 of 96 records damaged, no block was served. A get lands all of its
+    records or none, so one damaged record failed the whole hit. Fixed: a failed get asks the store once more; the
+    store quarantined the damaged record, so the hit ends before it and the blocks checked before it load."""
+    from kvoffload.impl import OffloadConnector
+    from kvoffload.impl.testing import LayeredKV
+    from kvoffload.reference import ReferenceConnector, TensorKV
+    from kvoffload.spec.store import Store
+
+    make, kv = {"spec": (SpecConnector, ListKV), "reference": (ReferenceConnector, TensorKV),
+                "production": (OffloadConnector, LayeredKV)}[connector]
+    config, store, prompt = Config(num_gpu_blocks=24, tier_blocks=8, prefix_caching=False), Store(32), \
+        [0, 1, 2, 0, 1, 1, 2, 0, 2, 2, 1, 0, 1]  # 6 whole blocks, and a token
+    first = World(config, make(config), kv(config.num_gpu_blocks), store=store)
+    first.add_request(prompt, 1)
+    first.run_to_completion()
+    first.drain()
+    assert len(store.records) == 6
+    store.damage(0, torn=False, keys=frozenset({first.history["r0"].block_hashes[3]}))  # the fourth block's
+    second = World(config, make(config), kv(config.num_gpu_blocks), store=store)
+    second.add_request(prompt, 1)
+    second.run_to_completion()
+    assert store.counters["quarantined_checksum"] == 1
+    assert second.stats["tier_hit_tokens"] == 3 * 2  # the three blocks before the damaged one

@@ -229,6 +229,20 @@ def test_a_file_tier_is_a_shared_tier_whose_existence_checks_answer_later(tmp_pa
     assert answer.result(timeout=5) == [True, False] and answer.done() and 0 <= answer.waited() < 5
 
 
+def test_a_fresh_ask_sees_a_record_another_process_quarantined(tmp_path):
+    """The scheduler's tier and a worker's are two instances (two processes in vLLM): when the worker's get
+    quarantines a damaged record, the scheduler's index still lists it until its next listing. A lookup's second
+    ask, after that get failed, asks fresh: each file looked for, the quarantined one gone."""
+    scheduler, worker = FileTier(tmp_path, NS, PAYLOAD), FileTier(tmp_path, NS, PAYLOAD)
+    worker.put([(KEY, payload(1)), (5, payload(2))])
+    eventually(lambda: scheduler.ask([KEY, 5]).result() == [True, True], "the scheduler's index never listed them")
+    path = worker.path(5)
+    path.write_bytes(path.read_bytes()[:-1] + b"x")
+    assert worker.get([KEY, 5], [memoryview(bytearray(PAYLOAD)) for _ in range(2)]) == [True, False]
+    assert scheduler.ask([KEY, 5]).result(timeout=5) == [True, True]  # the index, listed before the quarantine
+    assert scheduler.ask([KEY, 5], fresh=True).result(timeout=5) == [True, False]
+
+
 def eventually(condition, what: str) -> None:
     """Poll ``condition`` (it waits on the tier's I/O threads) for up to 5 s."""
     deadline = time.monotonic() + 5

