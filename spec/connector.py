@@ -352,8 +352,8 @@ class SpecConnector:
         if success or lookup.asked_again:
             lookup.settled = True
         else:
-            namespace = registered(self.namespace, "namespace")
-            lookup.answer, lookup.get, lookup.asked_again = self._shared(namespace.weights).ask(lookup.keys, fresh=True), None, True
+            store = self._shared(registered(self.namespace, "namespace").weights)
+            lookup.answer, lookup.get, lookup.asked_again = store.ask(lookup.keys, fresh=True), None, True
 
     def request_finished(self, request: RequestView, block_ids: BlockIds) -> bool:
         """Free now: the stores still reading the request's blocks are flushed with the next plan, before the engine

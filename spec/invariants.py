@@ -22,14 +22,15 @@ if TYPE_CHECKING:
     from .kit.coverage import Coverage
     from .types import GpuKV, Job
     from .executor import Executor
+    from .records import Namespace
     from .requests import Request
     from .store import Store
     from .world import World
 
-SPEC_VERSION = "0.10"
+SPEC_VERSION = "0.11"
 
 SAFETY = ("TRACK", "SRC", "DST", "CONTENT", "REF", "ATOMIC", "CURSOR", "JOBS", "FINISH", "FAIL", "LOOKUP",
-          "CAPACITY", "KEEP", "WRITE-ONCE")
+          "CAPACITY", "KEEP", "WRITE-ONCE", "NAMESPACE")
 LIVENESS = ("RELEASE", "QUIESCE", "PROGRESS")
 
 
@@ -419,6 +420,37 @@ def keep(store: Store) -> None:
     """
     _require(not store.counters["deleted"], "KEEP",
              f"a connector deleted {store.counters['deleted']} record(s) of the shared store")
+
+
+def namespace(world: World, rank: int, opened: Namespace) -> None:
+    """NAMESPACE — a connector opens the shared store only as an identity its engine was told: its model and
+    configuration as they are, weights it held at some time since it started (records are put in the namespace of
+    the weights that computed them), its own shard.
+
+    Prevents an identity derived from partial evidence: a checkpoint known by its path, names and sizes (a fine-tune
+    redeployed in place is served the old one's records), the weights without the model's configuration, an epoch
+    that counts resets (two replicas, one update in each, on other weights, share). CONTENT sees such a bug only
+    once another engine's record is served; this sees it at the first ask.
+    """
+    told = sorted(f"{ns.model}/{ns.weights}" for ns in world.held if ns.tp_rank == rank)
+    _require(opened.tp_rank == rank and opened in world.held, "NAMESPACE",
+             f"step {world.step_no}: worker {rank} opened the store as {opened!r}, an identity it was never told "
+             f"(told, as model/weights: {', '.join(told)})")
+
+
+def asked(world: World, namespace: Namespace) -> None:
+    """NAMESPACE — a lookup asks the store only as the identity the engine was last told, and never between a reset
+    and the next time it is told (the weights may have changed).
+
+    Prevents a connector that keeps an identity it no longer has: one attached at its first lookup with the
+    identity it started with (an RL loop updates the weights before the first request), one whose reset clears
+    the tier but keeps the namespace (vLLM's ``reset_cache`` leaves its secondary tiers alone).
+    """
+    now = world.namespace(0)
+    _require(not world.unidentified and namespace == now, "NAMESPACE",
+             f"step {world.step_no}: a lookup asked the store as {namespace.model}/{namespace.weights}, "
+             + ("after a reset, before the engine was told who it is" if world.unidentified else
+                f"while the engine is {now.model}/{now.weights}"))
 
 
 def write_once(world: World, job: Job) -> None:

@@ -19,7 +19,7 @@ A connector reaches the store only through ``SharedTier``, one namespace at a ti
 from __future__ import annotations
 
 from collections import Counter
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from attrs import define, field
 
@@ -186,11 +186,13 @@ class Store:
 
 @define
 class StoreView:
-    """``SharedTier`` for one namespace of a ``Store``."""
+    """``SharedTier`` for one namespace of a ``Store``; ``asking`` (the world's NAMESPACE check) is called with the
+    namespace of every existence check."""
 
     store: Store
     namespace: Namespace
     payload_len: int
+    asking: Callable[[Namespace], None] | None = None
 
     @property
     def counters(self) -> Counter[str]:
@@ -203,6 +205,8 @@ class StoreView:
         return [self.store.up and self.store._touch(self._name(key)) for key in keys]
 
     def ask(self, keys: Sequence[RecordKey], fresh: bool = False) -> Query:  # this store remembers nothing: fresh
+        if self.asking is not None:
+            self.asking(self.namespace)
         query = Query(self.store, tuple(map(self._name, keys)), self.store.ticks)
         self.store.queries.append(query)
         if not self.store.delay and self.store.up:

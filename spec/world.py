@@ -38,7 +38,7 @@ from collections import Counter, deque
 from math import lcm
 from typing import Iterator, cast
 
-from attrs import Factory, define, field
+from attrs import Factory, define, evolve, field
 
 from . import invariants
 from .config import Config
@@ -47,7 +47,7 @@ from .groups import FULL_ATTENTION, Group, longest_hit
 from .memory import PARTIAL, BlockPool
 from .records import Namespace
 from .requests import Request, State, continuation, extend_block_hashes, kv_content
-from .store import Store
+from .store import SharedTier, Store
 from .types import (CONNECTOR_METHODS, FENCED_FREES, NULL_BLOCK, PINS, Connector, Event, GpuKV, Grouped, Job,
                     Observable, Observation, Pinning, Resettable, ScheduledRequest, SchedulerOutput, Shareable,
                     WorkerOutput, group_key, key_index)
@@ -106,11 +106,13 @@ class World:
     window_freed: set[int] = field(factory=set)  # freed by a sliding window, not written since: stores are fenced
     got: set[int] = field(factory=set)  # keys whose tier entry a get brought from the store (none stored since)
     undelivered: StepOutput | None = None  # async scheduling: the last step's output
-    # the weights the engine computes with: 0 is its checkpoint's; an update in place loads others (the kit picks
-    # them, so that two engines may update to the same weights or to other ones)
+    # the weights the engine computes with: 0 is its checkpoint's as first deployed (a restart on a checkpoint that
+    # a fine-tune replaced starts on others); an update in place loads others (the kit picks them, so that two
+    # engines may update to the same weights or to other ones)
     weights: int = 0
     updates: int = 0  # weight updates so far
     unidentified: bool = False  # reset since the connector was last told the engine's identity
+    held: set[Namespace] = field(factory=set)  # every identity (of every shard) the engine was told since it started
     step_no: int = 0
     next_id: int = 0
     events: list[Event] = field(factory=list)
@@ -187,7 +189,7 @@ class World:
         executor.weights = self.weights
         connector.register_kv_caches(kv, executor)
         if self.store is not None:
-            cast(Shareable, connector).attach_shared_tier(self.store.open, self.namespace(len(self.workers)))
+            self._attach(connector, len(self.workers))
         self.workers.append(connector)
         self.kvs.append(kv)
         self.executors.append(executor)
@@ -196,7 +198,18 @@ class World:
         """Every side of the connector learns the engine's identity, as the weights it holds now give it."""
         self.unidentified = False
         for rank, worker in enumerate(self.workers):
-            cast(Shareable, worker).attach_shared_tier(cast(Store, self.store).open, self.namespace(rank))
+            self._attach(worker, rank)
+
+    def _attach(self, worker: Connector, rank: int) -> None:
+        """Worker ``rank`` (the scheduler side with worker 0) is told its identity, and gets the store's ``open``;
+        every namespace it opens is checked (NAMESPACE) against the identities it has held."""
+        namespace, store = self.namespace(rank), cast(Store, self.store)
+        self.held.add(namespace)
+
+        def open(namespace: Namespace, payload_len: int) -> SharedTier:
+            invariants.namespace(self, rank, namespace)
+            return evolve(store.open(namespace, payload_len), asking=lambda asked: invariants.asked(self, asked))
+        cast(Shareable, worker).attach_shared_tier(open, namespace)
 
     def namespace(self, rank: int) -> Namespace:
         """The KV identity of this engine's shard ``rank``: what its records are shared under, derived from what it
@@ -275,6 +288,7 @@ class World:
             worker.handle_preemptions(meta)
         if not self.fenced:
             invariants.src(self)
+        invariants.content(self)  # what the forward pass attends to: checked each step, not only between rules
         samples = self._forward(out)
         for worker in self.workers:  # after the forward launch: every load the world knows is asynchronous
             worker.start_load_kv(meta)

@@ -117,11 +117,11 @@ class ConformanceMachine(RuleBasedStateMachine):
         s = self.scenario
         store = Store(s.store, s.store_delay, up=not s.store_dead) if s.store else None
         engines = factory.for_fleet() if hasattr(factory, "for_fleet") else factory
-        return Fleet(lambda i: self._world(engines, kv_factory, grouped, shared, store, s.identity(i)), s.engines,
+        return Fleet(lambda i, w: self._world(engines, kv_factory, grouped, shared, store, s.identity(i), w), s.engines,
                      store)
 
     def _world(self, factory: Callable[[Config], Any], kv_factory: Callable[[int], Any], grouped: bool | None,
-               shared: bool | None, store: Store | None, identity: int) -> World:
+               shared: bool | None, store: Store | None, identity: int, weights: int = 0) -> World:
         """One engine: the adapter's scheduler side and worker 0, then the other workers, each with its shard. A
         hybrid model without GROUPS (or ``grouped`` False) runs as vLLM runs it then: one full-attention group, and
         the connector is configured with that. The fleet's store is attached to a connector that declares SHARED
@@ -137,7 +137,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         world = World(config, connector, kv_factory(config.num_gpu_blocks), Executor(self.scenario.delay),
                       observable=OBSERVED.met(declared, self.scenario),
                       fenced=not DELAYED_FREES.met(declared, self.scenario),  # frees at once, stores fenced
-                      grouped=grouped, store=store if shared else None, identity=identity)
+                      grouped=grouped, store=store if shared else None, identity=identity, weights=weights)
         for _ in range(config.num_workers - 1):
             world.add_worker(factory(config), kv_factory(config.num_gpu_blocks))
         world.executors[-1].fail_loads = BROKEN_LOADS.met(declared, self.scenario)
@@ -397,6 +397,17 @@ class WeightVersions(ConformanceMachine):
         with self._rule("update_weights_to", engine=engine, weights=weights):
             for fleet in self.fleets:
                 fleet.engine(engine).update_weights(weights)
+
+    @needs(mode="restarts")
+    @rule(engine=st.integers(0, 3), weights=st.integers(0, 2))
+    def restart_engine(self, engine: int, weights: int = 0) -> None:
+        """One engine crashes and starts again on the weights its checkpoint holds now: a fine-tune may have been
+        redeployed to the same path meanwhile (same model, names and sizes; 0: the checkpoint as it was). It shares
+        records with exactly the engines that hold the same weights. (It takes the place of the fleet's restart, so
+        that a scenario without restarts runs the programs it ran before.)"""
+        with self._rule("restart_engine", engine=engine, **({"weights": weights} if weights else {})):
+            for fleet in self.fleets:
+                fleet.restart(engine, weights)
 
 
 def make_machine(factory: Callable[[Config], Any], scenario: Scenario = DEFAULT_SCENARIO, level: Level = "invariants",

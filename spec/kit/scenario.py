@@ -36,7 +36,8 @@ class Scenario:
     store_dead: bool = False  # the store never answers: every lookup must give up on it
     file_faults: bool = False  # files a connector keeps below its CPU tier may vanish, tear, be slow (types.FILES)
     # A fleet's engines update their weights in place to weights the kit picks from a few (so two engines may hold
-    # the same weights or other ones whatever their count of updates), and restart on another checkpoint
+    # the same weights or other ones whatever their count of updates), and, with restarts, restart on a checkpoint
+    # that changed in place (a fine-tune redeployed to the same path)
     weight_versions: bool = False
 
     def identity(self, engine: int) -> int:

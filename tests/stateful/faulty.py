@@ -408,6 +408,24 @@ class CountsResets(OffloadConnector):
         super().attach_shared_tier(open, evolve(started, weights=f"{started.weights}+{self.resets}"))
 
 
+class TrustsTheCheckpointAtStart(OffloadConnector):
+    """An engine that starts names its weights by its checkpoint's path, names and sizes, not by the bytes it loaded:
+    a fine-tune redeployed to the same path shares the old checkpoint's records (flow 3 of issue 38: the fingerprint
+    read names, sizes and the first and last MiB of each file)."""
+
+    def attach_shared_tier(self, open, namespace) -> None:
+        started, self.started = getattr(self, "started", False), True
+        super().attach_shared_tier(open, namespace if started else evolve(namespace, weights="w0"))
+
+
+class LeavesTheConfigOut(OffloadConnector):
+    """An identity of the weights alone: an engine on the same weights under another model config (``rope_theta``,
+    an override, a quantization) computes other KV, and is served the first one's (flow 4 of issue 38)."""
+
+    def attach_shared_tier(self, open, namespace) -> None:
+        super().attach_shared_tier(open, evolve(namespace, model="model-0"))
+
+
 class DeletesOnAFailedGet(OffloadConnector):
     """A get that fails deletes the records it could not read, transient error or not (vLLM's fs tier deletes the
     file on any load exception, on a directory other replicas share)."""
@@ -442,9 +460,11 @@ class PutsWhatItGot(OffloadConnector):
 # catches it (the kit at the invariants level, as it runs a third party's connector)
 FLEET_VARIANTS = {
     ServesUncheckedRecords: ("fleet2-k1-immediate", "CONTENT"),
-    KeepsItsIdentityAtReset: ("fleet2-k1-immediate", "CONTENT"),
-    AttachesAtFirstLookup: ("fleet2-weight-versions", "CONTENT"),
-    CountsResets: ("fleet2-weight-versions", "CONTENT"),
+    KeepsItsIdentityAtReset: ("fleet2-k1-immediate", "NAMESPACE"),
+    AttachesAtFirstLookup: ("fleet2-weight-versions", "NAMESPACE"),
+    CountsResets: ("fleet2-weight-versions", "NAMESPACE"),
+    TrustsTheCheckpointAtStart: ("fleet2-weight-versions", "NAMESPACE"),
+    LeavesTheConfigOut: ("fleet3-k2-models-restarts-delayed-failures", "NAMESPACE"),
     DeletesOnAFailedGet: ("fleet2-k1-immediate", "KEEP"),
     NeverGivesUp: ("fleet2-dead-store", "PROGRESS"),
     PutsWhatItGot: ("fleet2-k1-immediate", "WRITE-ONCE"),

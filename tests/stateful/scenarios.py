@@ -105,9 +105,10 @@ FLEET_SCENARIOS = {
     "fleet2-threshold2-delayed": Scenario(  # records a get fetches are taken whatever admission says
         Config(num_gpu_blocks=14, tier_blocks=8, prefix_caching=False, store_threshold=2), delay=1, engines=2,
         store=24),
-    "fleet2-weight-versions": Scenario(  # engines update to the same or other weights, whatever their count
+    "fleet2-weight-versions": Scenario(  # engines update to the same or other weights, whatever their count, and
+        # restart on a checkpoint a fine-tune may have replaced
         Config(num_gpu_blocks=14, tier_blocks=6, prefix_caching=False), delay=1, engines=2, store=24,
-        weight_versions=True),
+        weight_versions=True, restarts=True),
     "fleet2-dead-store": Scenario(
         Config(num_gpu_blocks=14, tier_blocks=4, prefix_caching=False), delay=1, engines=2, store=8, store_dead=True),
 }
