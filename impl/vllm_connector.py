@@ -31,6 +31,7 @@ block, becomes ``NULL_BLOCK``.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ from .connector import OffloadConnector
 from .shadow import ShadowMonitor
 from .shared import IOExecutor
 from .tiers import FileTier, SharedTier
-from .vllm_identity import calling_model_runner, combined, config_digest, weights_digest
+from .vllm_identity import adapter_salt, calling_model_runner, combined, config_digest, salted, weights_digest
 
 
 def _positive_int(value: object) -> bool:
@@ -303,6 +304,13 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
                     cast(Any, self.histograms[name]).labels(*labels).observe(seconds)
 
 
+def lora_salt(request: Any) -> bytes:
+    """What salts a request's keys: its LoRA adapter's bytes, if its path is a local directory (b"" without an
+    adapter; a Hub name is left to vLLM's hash of it: nothing is downloaded on the scheduler's thread)."""
+    lora = getattr(request, "lora_request", None)
+    return adapter_salt(os.path.abspath(os.path.expanduser(lora.lora_path))) if lora and lora.lora_path else b""
+
+
 class VllmRequestView:
     """A vLLM ``Request`` as the spec's ``RequestView`` (its timing rule is written there). ``num_computed_tokens``
     is the local prefix hit the scheduler offered at lookup: vLLM updates the request's own count only after
@@ -310,10 +318,12 @@ class VllmRequestView:
     whose allocation fails is looked up again next step, and only the admission that gets its blocks reuses the
     tokens."""
 
-    __slots__ = ("request", "num_computed_tokens", "uncommitted_hit")
+    __slots__ = ("request", "num_computed_tokens", "uncommitted_hit", "salt", "_salted")
 
-    def __init__(self, request: Any) -> None:
+    def __init__(self, request: Any, salt: bytes = b"") -> None:
         self.request, self.num_computed_tokens, self.uncommitted_hit = request, 0, 0
+        self.salt = salt  # a LoRA adapter's bytes (``vllm_identity.adapter_salt``)
+        self._salted: list[bytes] = []
 
     @property
     def req_id(self) -> str:
@@ -321,7 +331,12 @@ class VllmRequestView:
 
     @property
     def block_hashes(self) -> list:
-        return self.request.block_hashes
+        """vLLM's block hashes; a LoRA request's salted by its adapter's bytes (computed as they grow)."""
+        if not self.salt:
+            return self.request.block_hashes
+        hashes, keys = self.request.block_hashes, self._salted
+        keys += [salted(h, self.salt) for h in hashes[len(keys):]]
+        return keys
 
     @property
     def num_tokens(self) -> int:
@@ -514,7 +529,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def _view(self, request: Any) -> VllmRequestView:
         view = self.views.get(request.request_id)
         if view is None:
-            view = self.views[request.request_id] = VllmRequestView(request)
+            view = self.views[request.request_id] = VllmRequestView(request, lora_salt(request))
         return view
 
     def _identify(self) -> bool:

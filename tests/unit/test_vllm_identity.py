@@ -75,3 +75,27 @@ def test_a_weight_update_in_place_and_back_returns_the_digest():
     m[0].weight.data.copy_(saved)
     assert weights_digest(m) == start
 
+
+
+def test_an_adapter_rewritten_in_place_gets_another_salt_whatever_its_times(tmp_path):
+    """A LoRA adapter retrained to the same directory, one byte changed and its size and mtime kept: its salt
+    changes (the cache is kept by ctime too, which nothing sets back). The same bytes elsewhere salt alike."""
+    import os
+    import shutil
+
+    from kvoffload.impl.vllm_identity import adapter_salt
+
+    adapter = tmp_path / "a"
+    adapter.mkdir()
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(bytes(range(256)) * 64)
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    first = adapter_salt(str(adapter))
+    assert len(first) == 16 and adapter_salt(str(shutil.copytree(adapter, tmp_path / "copy"))) == first
+    times = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[9000] ^= 1
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns))
+    assert adapter_salt(str(adapter)) not in (first, b"")
+    assert adapter_salt(str(tmp_path / "missing")) == b""

