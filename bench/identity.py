@@ -1,4 +1,4 @@
-"""What fingerprinting the weights an engine holds costs (kvoffload.impl.vllm_identity), against loading the same
+"""What fingerprinting the weights an engine holds costs (kvoffload.impl.vllm.identity), against loading the same
 weights from a safetensors file in the page cache (what vLLM's start-up does), in one process, side by side.
 
     .venv/bin/python bench/identity.py [--gib 1] [--quick]
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvoffload.impl.vllm_identity import weights_digest
+from kvoffload.impl.vllm.identity import weights_digest
 
 
 def model_of(gib: float) -> torch.nn.Module:

@@ -94,7 +94,7 @@ def connector_config(**extra):
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(kv_connector="KVOffloadConnector", kv_role="kv_both",
-                            kv_connector_module_path="kvoffload.impl.vllm_connector",
+                            kv_connector_module_path="kvoffload.impl.vllm",
                             kv_connector_extra_config=extra,
                             kv_load_failure_policy="recompute")  # a failed load is recomputed, not an error
 

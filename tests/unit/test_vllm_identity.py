@@ -1,4 +1,4 @@
-"""The weights digest (kvoffload.impl.vllm_identity): the host strategy (xxh3-128 of the bytes) and the accelerator's
+"""The weights digest (kvoffload.impl.vllm.identity): the host strategy (xxh3-128 of the bytes) and the accelerator's
 (the fold), both run here on CPU tensors, tell apart exactly the same weights, and see every change a fine-tune or
 an update in place makes, wherever in a tensor it lands."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvoffload.impl.vllm_identity import ROW, weights_digest
+from kvoffload.impl.vllm.identity import ROW, weights_digest
 
 
 def model() -> torch.nn.Module:
@@ -76,14 +76,13 @@ def test_a_weight_update_in_place_and_back_returns_the_digest():
     assert weights_digest(m) == start
 
 
-
 def test_an_adapter_rewritten_in_place_gets_another_salt_whatever_its_times(tmp_path):
     """A LoRA adapter retrained to the same directory, one byte changed and its size and mtime kept: its salt
     changes (the cache is kept by ctime too, which nothing sets back). The same bytes elsewhere salt alike."""
     import os
     import shutil
 
-    from kvoffload.impl.vllm_identity import adapter_salt
+    from kvoffload.impl.vllm.identity import adapter_salt
 
     adapter = tmp_path / "a"
     adapter.mkdir()

@@ -14,7 +14,8 @@ from kvoffload.spec.types import TransferPlan
 from kvoffload.impl.transfer import InlineExecutor
 from kvoffload.impl.testing.blackbox import vllm_offloading_past_known
 from kvoffload.impl.tiers import FileTier
-from kvoffload.impl.vllm_connector import KVOffloadConnector, SharedTierConfig
+from kvoffload.impl.vllm import KVOffloadConnector
+from kvoffload.impl.vllm.config import SharedTierConfig
 
 
 class FlakyExecutor(InlineExecutor):

@@ -48,7 +48,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
 
 from kvoffload.impl.testing import LayeredKV  # noqa: E402
-from kvoffload.impl.vllm_connector import KVOffloadConnector  # noqa: E402
+from kvoffload.impl.vllm import KVOffloadConnector  # noqa: E402
 from kvoffload.impl.testing.harness import BLOCK_SIZE, make_scheduler  # noqa: E402
 from kvoffload.spec.executor import Executor  # noqa: E402
 from kvoffload.spec.groups import FULL_ATTENTION, Group  # noqa: E402

@@ -50,7 +50,7 @@ if __name__ == "__main__":
     config = None
     if args.extra:
         config = KVTransferConfig(kv_connector="KVOffloadConnector", kv_role="kv_both",
-                                  kv_connector_module_path="kvoffload.impl.vllm_connector",
+                                  kv_connector_module_path="kvoffload.impl.vllm",
                                   kv_connector_extra_config=json.loads(args.extra), kv_load_failure_policy="recompute")
     llm = make_llm(args.model, config, lora=args.lora)
     prompts = workload(8, seed=1)

@@ -20,7 +20,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from kvoffload.impl import OffloadConnector  # noqa: E402
 from kvoffload.impl.testing import LayeredKV  # noqa: E402
 from kvoffload.impl.testing.harness import BLOCK_SIZE, make_scheduler  # noqa: E402
-from kvoffload.impl.vllm_connector import KVOffloadWorkerMetadata  # noqa: E402
+from kvoffload.impl.vllm.connector import KVOffloadWorkerMetadata  # noqa: E402
 from kvoffload.spec.executor import Executor  # noqa: E402
 
 class Driver:

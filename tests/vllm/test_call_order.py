@@ -31,7 +31,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
 
 from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
-from kvoffload.impl.vllm_connector import KVOffloadConnector  # noqa: E402
+from kvoffload.impl.vllm import KVOffloadConnector  # noqa: E402
 from kvoffload.spec import Config, SpecConnector, World  # noqa: E402
 from kvoffload.spec.groups import Group  # noqa: E402
 from kvoffload.spec import Executor, ListKV  # noqa: E402

@@ -14,7 +14,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload
 from transformers import LlamaConfig  # noqa: E402
 
 from kvoffload.impl.testing.harness import BLOCK_SIZE, make_configs  # noqa: E402
-from kvoffload.impl.vllm_connector import config_from_vllm  # noqa: E402
+from kvoffload.impl.vllm.config import config_from_vllm  # noqa: E402
 from kvoffload.spec import ConfigError  # noqa: E402
 from kvoffload.spec.groups import Group  # noqa: E402
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec  # noqa: E402
@@ -168,3 +168,12 @@ def test_an_offload_block_of_a_fraction_of_the_smallest_block_is_one_clear_error
     with pytest.raises(ConfigError, match=re.escape(f"offload_block_size=24 tokens is not a multiple of the "
                                                     f"engine's block size ({BLOCK_SIZE} tokens, per block hash)")):
         hybrid_config_for(model, (Group(block_size=2 * BLOCK_SIZE), Group(64)), offload_block_size=24)
+
+
+def test_the_module_path_earlier_configurations_name_loads_the_same_connector():
+    """``kvoffload.impl.vllm_connector`` (named by configurations before the adapter became ``kvoffload.impl.vllm``)
+    still loads, as vLLM loads it: by module path and class name."""
+    import importlib
+
+    old, new = (importlib.import_module(path) for path in (MODULE, "kvoffload.impl.vllm"))
+    assert getattr(old, CONNECTOR) is getattr(new, CONNECTOR)

@@ -9,7 +9,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload
 
 import prometheus_client  # noqa: E402
 
-from kvoffload.impl.vllm_connector import KVOffloadConnector, KVOffloadStats  # noqa: E402
+from kvoffload.impl.vllm import KVOffloadConnector
+from kvoffload.impl.vllm.metrics import KVOffloadStats  # noqa: E402
 from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
 
 from .scheduler_driver import Driver  # noqa: E402

@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload
 import prometheus_client  # noqa: E402
 
 from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
-from kvoffload.impl.vllm_connector import KVOffloadConnector  # noqa: E402
+from kvoffload.impl.vllm import KVOffloadConnector  # noqa: E402
 
 from .test_engine import CONNECTOR, ENV, ROOT, run_engine  # noqa: E402
 

@@ -206,5 +206,5 @@ class Release:
         return connector, refusing.add
 
     def our_worker_meta(self, job_results: list[tuple[int, bool]]) -> Any:
-        from kvoffload.impl.vllm_connector import KVOffloadWorkerMetadata
+        from kvoffload.impl.vllm.connector import KVOffloadWorkerMetadata
         return KVOffloadWorkerMetadata(tuple(job_results))

@@ -30,10 +30,15 @@ import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+
+from kvoffload.spec.config import Config
+from kvoffload.spec.records import Namespace
 
 ROW = 4096  # words per folded row
 CHUNK_ROWS = 2048  # rows folded at a time (64 MiB of words): bounds the temporaries
@@ -165,3 +170,37 @@ def calling_model_runner() -> Any:
         frame = frame.f_back  # type: ignore[assignment]
     raise LookupError("no model runner on the stack of register_kv_caches: the shared tier cannot fingerprint the "
                       "weights this engine computes with (an unsupported vLLM release?)")
+
+
+def lora_salt(request: Any) -> bytes:
+    """What salts a request's keys: its LoRA adapter's bytes, if its path is a local directory (b"" without an
+    adapter; a Hub name is left to vLLM's hash of it: nothing is downloaded on the scheduler's thread)."""
+    lora = getattr(request, "lora_request", None)
+    return adapter_salt(os.path.abspath(os.path.expanduser(lora.lora_path))) if lora and lora.lora_path else b""
+
+
+@dataclass
+class KVOffloadHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at start-up (vLLM's handshake): the digest of the weights this worker holds."""
+
+    rank: int
+    weights: str
+
+
+def namespace_from_vllm(vllm_config: Any, kv_cache_config: Any, config: Config, tenant: str,
+                        weights: str) -> Namespace:
+    """The engine's KV identity: ``weights`` (its workers' digests, ``combined``) and what vLLM's
+    configuration gives. The hash seed is vLLM's ``NONE_HASH`` itself: read once the engine has set it (after the
+    scheduler, and so this connector, was built), it differs between two processes exactly when their block hashes
+    do (xxhash without a common ``PYTHONHASHSEED``)."""
+    from vllm.v1.core import kv_cache_utils
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    layout = ";".join(f"{type(g.kv_cache_spec).__name__}:{g.kv_cache_spec.page_size_bytes}x{len(g.layer_names)}"
+                      for g in kv_cache_config.kv_cache_groups)
+    dtype = str(model.dtype) if cache.cache_dtype == "auto" else cache.cache_dtype
+    return Namespace(model=",".join(model.architectures), weights=weights, config=config_digest(vllm_config),
+                     kv_dtype=dtype, kv_layout=layout, block_size=config.offload_block_size,
+                     hash_block_size=config.block_size, hash_algorithm=cache.prefix_caching_hash_algo,
+                     hash_seed=bytes(kv_cache_utils.NONE_HASH).hex(), tp_rank=0,
+                     tp_size=vllm_config.parallel_config.world_size, tenant=tenant)
