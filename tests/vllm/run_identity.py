@@ -41,6 +41,7 @@ if __name__ == "__main__":
     parser.add_argument("--actions", required=True, help="JSON list: [generate], [generate, n], [reload, dir], [reset],"
                         " [ask, {lora: [name, id, dir]} or {salt: s}] (the first prompt, under that adapter or salt)")
     parser.add_argument("--lora", action="store_true", help="the engine serves LoRA adapters")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel workers, each a process of its own")
     args = parser.parse_args()
 
     from vllm.config import KVTransferConfig
@@ -52,7 +53,7 @@ if __name__ == "__main__":
         config = KVTransferConfig(kv_connector="KVOffloadConnector", kv_role="kv_both",
                                   kv_connector_module_path="kvoffload.impl.vllm",
                                   kv_connector_extra_config=json.loads(args.extra), kv_load_failure_policy="recompute")
-    llm = make_llm(args.model, config, lora=args.lora)
+    llm = make_llm(args.model, config, lora=args.lora, tensor_parallel=args.tp)
     prompts = workload(8, seed=1)
     results = []
     for action, *arg in json.loads(args.actions):

@@ -29,11 +29,11 @@ from .test_engine import ENV, ROOT  # noqa: E402
 SECRET = "KVOFFLOAD_TEST_REDIS_PASSWORD"
 
 
-def run(model: Path, actions: list, shared: dict | None = None, lora: bool = False) -> list[dict]:
+def run(model: Path, actions: list, shared: dict | None = None, lora: bool = False, tp: int = 1) -> list[dict]:
     """tests/vllm/run_identity.py in a process of its own: what each action gave."""
     extra = json.dumps({"tier_bytes": 32 << 20, "offload_block_size": 32, "shared_tier": shared}) if shared else ""
     cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_identity.py"), "--model", str(model), "--extra", extra,
-           "--actions", json.dumps(actions), *(["--lora"] if lora else [])]
+           "--actions", json.dumps(actions), "--tp", str(tp), *(["--lora"] if lora else [])]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**ENV, SECRET: PASSWORD})
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"engine run failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
@@ -104,6 +104,20 @@ def test_every_flow_serves_only_its_own_weights_kv(models, expected, shared):
     assert on_w2["outputs"] == expected["w2"] and on_w2["shared_got_blocks"] == 0
     assert on_w1["outputs"] == expected["w1"] and on_w1["shared_got_blocks"] == updated["shared_stored"]
     assert on_w1["shared_stored"] == 0
+
+
+def test_tensor_parallel_workers_each_fingerprint_their_shard_at_a_reset(models, expected, tmp_path):
+    """Two tensor-parallel workers, each a process of its own, their outputs merged by vLLM's
+    ``KVOutputAggregator``: at each reset, each worker fingerprints the shard it holds, and the engine shares
+    records only with its own weights (W1's: none; W0's again: every record it stored under W0)."""
+    shared = {"backend": "fs", "path": str(tmp_path), "bytes": 1 << 30}
+    on_w0, _, on_w1, _, back = run(models["w0"], [
+        ["generate"], ["reload", str(models["w1"])], ["reset"], ["generate"], ["reload", str(models["w0"])], ["reset"],
+        ["generate"]], shared, tp=2)
+    assert on_w0["outputs"] == expected["w0"] and on_w0["shared_stored"] > 0
+    assert on_w1["outputs"] == expected["w1"] and on_w1["shared_got_blocks"] == 0 and on_w1["shared_stored"] > 0
+    assert back["outputs"] == expected["w0"] and back["shared_stored"] == 0
+    assert 2 * back["shared_got_blocks"] == on_w0["shared_stored"]  # every block: a record per worker's shard
 
 
 @pytest.fixture(scope="module")
