@@ -132,6 +132,22 @@ def test_a_tier_that_takes_a_failed_read_for_done_is_caught(tmp_path):
         _damage_then_read(hides_failed_reads, 0, "vanish")
 
 
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_tier_that_takes_a_torn_read_for_done_is_caught(tmp_path, monkeypatch, which):
+    """A torn file keeps its first half. When a GPU block's content was sealed in the first bytes of its place in the
+    chunk only, a tier that read what the file still held and called it done served half a chunk, and the kit saw
+    nothing wrong. Every byte of the place is checked now."""
+    from vllm.v1.kv_offload.tiering.fs import manager
+
+    def reads_what_is_there(paths, view, offsets, block_size, use_o_direct=True):
+        for path, offset in zip(paths, offsets):
+            with open(path, "rb") as file:
+                file.readinto(view.cast("B")[offset:offset + block_size])
+    monkeypatch.setattr(manager, "batch_load_block", reads_what_is_there)
+    with pytest.raises(Violation, match="CONTENT"):
+        _damage_then_read(partial(vllm_tiering_past_known, root=tmp_path), which, "torn")
+
+
 FILE_FAULTS = {  # (scenario, steps each fs-tier I/O job takes)
     "w4-full-async": (evolve(SCENARIOS["w4-full-async"][0], file_faults=True), 1),
     "fleet-two-engines-restarts": (Scenario(Config(num_gpu_blocks=12, tier_blocks=7), engines=2, restarts=True,

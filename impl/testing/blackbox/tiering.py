@@ -37,24 +37,32 @@ MARK = b"kvoffkit"
 
 
 class SharedRegion:
-    """The primary tier's CPU chunks, as the played worker reads and writes them: GPU block ``sub`` of chunk ``c`` is
-    sealed at byte ``sub * SEAL.size`` of the chunk's row (the tier copies whole rows; what lies where inside a row is
-    the worker's business). A place never written, or written by someone else, reads as garbage."""
+    """The primary tier's CPU chunks, as the played worker reads and writes them: GPU block ``sub`` of a chunk of
+    ``k`` owns the ``sub``-th ``k``-th of the chunk's row (the tier copies whole rows; what lies where inside a row
+    is the worker's business), and every byte of that place is its content's seal, repeated. A place never written,
+    written by someone else, or written only in part (a torn file read as whole) reads as garbage."""
 
-    def __init__(self, view: memoryview) -> None:
-        assert view.strides is not None
-        self.row, self.bytes = view.strides[0], view.cast("B")
+    def __init__(self, view: memoryview, k: int) -> None:
+        assert view.strides is not None and view.strides[0] % k == 0
+        self.row, self.place, self.bytes = view.strides[0], view.strides[0] // k, view.cast("B")
 
     def _offset(self, slot: Hashable) -> int:
         chunk, sub = cast(tuple[int, int], slot)  # OffloadingTransfers' slots: (chunk, GPU block inside it)
-        return chunk * self.row + sub * SEAL.size
+        return chunk * self.row + sub * self.place
+
+    def _sealed(self, content: int) -> bytes:
+        seal = SEAL.pack(MARK, content)
+        return (seal * -(-self.place // SEAL.size))[:self.place]
 
     def __setitem__(self, slot: Hashable, content: int) -> None:
-        SEAL.pack_into(self.bytes, self._offset(slot), MARK, content)
+        offset = self._offset(slot)
+        self.bytes[offset:offset + self.place] = self._sealed(content)
 
     def get(self, slot: Hashable, default: int = GARBAGE) -> int:
-        mark, content = SEAL.unpack_from(self.bytes, self._offset(slot))
-        return int(content) if mark == MARK else default
+        offset = self._offset(slot)
+        mark, content = SEAL.unpack_from(self.bytes, offset)
+        whole = mark == MARK and self.bytes[offset:offset + self.place] == self._sealed(content)
+        return int(content) if whole else default
 
 
 class HeldIO:
@@ -168,9 +176,10 @@ def fs_tier_config(root: Path, backpressure: bool = False) -> dict[str, Any]:
     return {"type": "fs", "root_dir": str(root), "n_read_threads": 1, "n_write_threads": 1, **detector}
 
 
-def take_over(connector: Any, io_delay: int) -> tuple[SharedRegion, HeldIO]:
-    """The played worker's view of the primary tier's CPU chunks, and the fs tier's I/O, from now on held by the kit
-    (its threads, idle so far, are stopped). When the connector goes, its shared region is released."""
+def take_over(connector: Any, io_delay: int, k: int) -> tuple[SharedRegion, HeldIO]:
+    """The played worker's view of the primary tier's CPU chunks (of ``k`` GPU blocks), and the fs tier's I/O, from
+    now on held by the kit (its threads, idle so far, are stopped). When the connector goes, its shared region is
+    released."""
     manager = connector.scheduler.manager
     (tier,) = manager.secondary_tiers
     tier._pool.shutdown(wait=True)
@@ -190,7 +199,7 @@ def take_over(connector: Any, io_delay: int) -> tuple[SharedRegion, HeldIO]:
 
     connector.build_connector_meta = build_then_run_io
     _let_go_of_file(manager.primary_tier._mmap_region)
-    region = SharedRegion(manager.primary_tier.get_kv_memoryview())
+    region = SharedRegion(manager.primary_tier.get_kv_memoryview(), k)
     weakref.finalize(connector, _shut_down, manager, region)
     return region, io
 

@@ -182,7 +182,7 @@ class Release:
     def tiering_connector(self, config: Config, root: Path, io_delay: int, backpressure: bool = False) -> BlackBox:
         connector, refuse = self._offloading(config, {"spec_name": "TieringOffloadingSpec", "secondary_tiers": [
             tiering.fs_tier_config(root, backpressure)]})
-        region, io = tiering.take_over(connector, io_delay)
+        region, io = tiering.take_over(connector, io_delay, config.k)
         return BlackBox(config, connector, OffloadingTransfers(config.k), self, refuse=refuse, host=region, tier_io=io)
 
     def _offloading(self, config: Config, spec: dict[str, Any]) -> tuple[Any, Callable[[str], None]]:
