@@ -7,6 +7,7 @@ rule, ``declare`` for a check. Its precondition and the coverage report's skippe
 
 from __future__ import annotations
 
+import functools
 import sys
 import sysconfig
 import traceback
@@ -116,7 +117,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         factory of one fleet's engines, asked once per fleet."""
         s = self.scenario
         store = Store(s.store, s.store_delay, up=not s.store_dead) if s.store else None
-        engines = factory.for_fleet() if hasattr(factory, "for_fleet") else factory
+        engines = one_fleet(factory)
         return Fleet(lambda i, w: self._world(engines, kv_factory, grouped, shared, store, s.identity(i), w), s.engines,
                      store)
 
@@ -408,6 +409,14 @@ class WeightVersions(ConformanceMachine):
         with self._rule("restart_engine", engine=engine, **({"weights": weights} if weights else {})):
             for fleet in self.fleets:
                 fleet.restart(engine, weights)
+
+
+def one_fleet(factory: Callable[[Config], Any]) -> Callable[[Config], Any]:
+    """The factory of one fleet's engines: ``for_fleet()`` of a factory that has one (its engines share something
+    of their own: vLLM's fs tier, a directory), given the keyword arguments a ``functools.partial`` of it binds."""
+    if isinstance(factory, functools.partial) and hasattr(factory.func, "for_fleet"):
+        return cast(Callable[[Config], Any], factory.func.for_fleet(*factory.args, **factory.keywords))
+    return cast(Callable[[Config], Any], factory.for_fleet()) if hasattr(factory, "for_fleet") else factory
 
 
 def make_machine(factory: Callable[[Config], Any], scenario: Scenario = DEFAULT_SCENARIO, level: Level = "invariants",

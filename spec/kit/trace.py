@@ -1,8 +1,9 @@
 """A failing kit run as a JSON Lines trace, and the replay that turns it back into the same failure.
 
-Line 1 says what ran: spec version, adapter and KV factories (``module:qualname``), level, scenario, and the
-failure. Every further line is one rule with its arguments, in order: the shrunk program. Replay builds the same
-machine and runs the program as Hypothesis did (invariants after the start and after every rule, then teardown):
+Line 1 says what ran: spec version, adapter and KV factories (``module:qualname``, and the keyword arguments of a
+``functools.partial`` of one), level, scenario, and the failure. Every further line is one rule with its arguments,
+in order: the shrunk program. Replay builds the same machine and runs the program as Hypothesis did (invariants after
+the start and after every rule, then teardown):
 
     python -m kvoffload.spec.kit.trace kvoffload-traces/test_my_connector.jsonl
 """
@@ -10,6 +11,7 @@ machine and runs the program as Hypothesis did (invariants after the start and a
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -32,6 +34,28 @@ class UnreplayableTrace(ValueError):
 
 def qualified_name(obj: Any) -> str:
     return f"{obj.__module__}:{obj.__qualname__}" if hasattr(obj, "__qualname__") else repr(obj)
+
+
+def factory_entry(obj: Any, role: str = "factory") -> tuple[str, dict[str, Any]]:
+    """How a trace names a factory: ``importable_name`` of it, or of the function a ``functools.partial`` binds with
+    the keyword arguments it binds (JSON values; no positional ones), which replay binds again."""
+    if not isinstance(obj, functools.partial):
+        return importable_name(obj, role), {}
+    try:
+        arguments = json.loads(json.dumps(obj.keywords))
+    except TypeError:
+        arguments = None
+    if obj.args or arguments != obj.keywords:
+        raise UnreplayableTrace(f"cannot write a replayable trace: {role} {obj!r} binds positional arguments or "
+                                f"values that are not JSON (a path, an object); bind numbers, strings and lists by "
+                                f"keyword, or pass it to replay(path, adapter=...)")
+    return importable_name(obj.func, role), arguments
+
+
+def factory_from(header: dict[str, Any], role: str) -> Any:
+    """The factory a trace header names for ``role`` ("adapter", "kv"), with the arguments it recorded bound."""
+    factory, arguments = resolve(header[role]), header.get(f"{role}_args") or {}
+    return functools.partial(factory, **arguments) if arguments else factory
 
 
 def importable_name(obj: Any, role: str = "factory") -> str:
@@ -92,10 +116,12 @@ def hash_seed() -> str | None:
 
 def write_trace(path: Path, machine: type[ConformanceMachine], failure: Violation) -> None:
     """Write the failure's program; ``UnreplayableTrace`` (nothing written) if a factory has no import name."""
-    header = {"kvoffload_trace": 1, "spec_version": SPEC_VERSION,
-              "adapter": importable_name(machine.factory, "factory"), "kv": importable_name(machine.kv_factory,
-                                                                                            "kv factory"),
-              "level": machine.level, "scenario": asdict(machine.scenario), "hash_seed": hash_seed(),
+    (adapter, adapter_args), (kv, kv_args) = factory_entry(machine.factory), factory_entry(machine.kv_factory,
+                                                                                             "kv factory")
+    header = {"kvoffload_trace": 1, "spec_version": SPEC_VERSION, "adapter": adapter,
+              **({"adapter_args": adapter_args} if adapter_args else {}), "kv": kv,
+              **({"kv_args": kv_args} if kv_args else {}), "level": machine.level,
+              "scenario": asdict(machine.scenario), "hash_seed": hash_seed(),
               "failure": f"{type(failure).__name__}: {failure}".splitlines()[0]}
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as out:
@@ -122,8 +148,8 @@ def replay(path: str | Path, adapter: Callable[[Config], Any] | None = None,
     header, program = read_trace(path)
     if header["spec_version"] != SPEC_VERSION:
         print(f"note: trace written by spec {header['spec_version']}, replayed by {SPEC_VERSION}", file=sys.stderr)
-    machine = make_machine(adapter or resolve(header["adapter"]), scenario_from(header), header["level"],
-                           kv or resolve(header["kv"]))()
+    machine = make_machine(adapter or factory_from(header, "adapter"), scenario_from(header), header["level"],
+                           kv or factory_from(header, "kv"))()
     machine.invariants_hold()
     try:
         for name, args in program:

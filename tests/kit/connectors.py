@@ -96,6 +96,23 @@ class AssertsAtLookup(SpecConnector):
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
 
+class AssertsPastLength(SpecConnector):
+    """A connector whose assert fails at the lookup of a prompt longer than ``longest`` tokens."""
+
+    def __init__(self, config: Config, longest: int) -> None:
+        super().__init__(config)
+        self.longest = longest
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        assert request.num_prompt_tokens <= self.longest, f"a prompt longer than {self.longest}"
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+def asserts_past(config: Config, longest: int = 1 << 20) -> AssertsPastLength:
+    """A factory with an argument of its own, bound by ``functools.partial``: a trace records it."""
+    return AssertsPastLength(config, longest)
+
+
 class FailsInSetOrder(SpecConnector):
     """A bug that shows in some processes only: whether a request's finish raises depends on the order of a set of
     request ids, which is the process's string hash seed's (under PYTHONHASHSEED=0 r1's raises, under 1 none does)."""

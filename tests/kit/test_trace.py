@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.spec import SpecConnector, Violation
+from kvoffload.spec import Config, SpecConnector, Violation
 from kvoffload.spec.invariants import ConnectorError
 from kvoffload.spec.kit import run_conformance
 from kvoffload.spec.kit.machine import make_machine
 from kvoffload.spec.kit.profiles import FIND_ONLY
 from kvoffload.spec.kit.trace import UnreplayableTrace, read_trace, replay, write_trace
 
-from .connectors import SCENARIO, AssertsAtFinish, AssertsAtLookup, ForgetsDelayedFrees, RaisesAtFinish
+from .connectors import SCENARIO, AssertsAtFinish, AssertsAtLookup, ForgetsDelayedFrees, RaisesAtFinish, asserts_past
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,8 @@ def _local_factory():
 @pytest.mark.parametrize("factory, why", [
     (lambda config: SpecConnector(config), "is a lambda or is defined inside a function"),  # noqa: PLW0108 -- a lambda is the case
     (_local_factory(), "is a lambda or is defined inside a function"),
-    (functools.partial(SpecConnector), "is not a function or class"),
+    (functools.partial(SpecConnector, Config()), "binds positional arguments"),
+    (functools.partial(SpecConnector, config=Config()), "values that are not JSON"),
 ])
 def test_a_factory_without_an_import_name_is_refused_before_anything_is_written(tmp_path, factory, why):
     violation = Violation("FINISH", "found")
@@ -174,6 +175,20 @@ def test_a_factory_without_an_import_name_is_refused_before_anything_is_written(
     with pytest.raises(UnreplayableTrace, match=f"cannot write a replayable trace: factory .* {why}.*replay\\("):
         write_trace(path, make_machine(factory), violation)
     assert not path.exists()
+
+
+def test_a_partial_factory_is_recorded_with_its_arguments_and_replays_with_them(tmp_path):
+    """The tests' factories bind arguments (``partial(vllm_tiering_past_known, io_delay=3)``): the trace names the
+    function and the keyword arguments, and replay binds them again (without them, this program passes)."""
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(ConnectorError) as caught:
+        run_conformance(functools.partial(asserts_past, longest=3), SCENARIO, profile="pr", trace=path)
+    header, _program = read_trace(path)
+    assert header["adapter"] == "tests.kit.connectors:asserts_past" and header["adapter_args"] == {"longest": 3}
+    with pytest.raises(ConnectorError) as again:
+        replay(path)
+    assert str(again.value) == str(caught.value)
+    replay(path, adapter=asserts_past)  # the default allows every prompt here
 
 
 ROOT = Path(__file__).resolve().parents[2]

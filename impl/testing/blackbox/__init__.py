@@ -511,13 +511,15 @@ def vllm_tiering_backpressure(config: Config) -> BlackBox:
     return vllm_tiering_past_known(config, io_delay=1, backpressure=True)
 
 
-def vllm_tiering_fleet(config: Config) -> BlackBox:
-    """A kit factory: ``vllm_tiering_past_known``, and in a fleet every engine's fs tier on one directory."""
-    return vllm_tiering_past_known(config)
+def vllm_tiering_fleet(config: Config, io_delay: int = 0) -> BlackBox:
+    """A kit factory: ``vllm_tiering_past_known``, and in a fleet every engine's fs tier on one directory, its file
+    jobs ending ``io_delay`` steps after they are submitted (``partial(vllm_tiering_fleet, io_delay=2)``: the kit
+    passes the delay on to the fleet, and a trace records it)."""
+    return vllm_tiering_past_known(config, io_delay)
 
 
-def _on_one_directory() -> Callable[[Config], BlackBox]:
-    return partial(vllm_tiering_past_known, root=tiering.new_directory())
+def _on_one_directory(io_delay: int = 0) -> Callable[[Config], BlackBox]:
+    return partial(vllm_tiering_past_known, io_delay=io_delay, root=tiering.new_directory())
 
 
 vllm_tiering_fleet.for_fleet = _on_one_directory  # type: ignore[attr-defined]
@@ -531,14 +533,14 @@ class NoWeightUpdates(BlackBox):
         self.capabilities -= {RESET}
 
 
-def vllm_tiering_fleet_past_known(config: Config) -> BlackBox:
+def vllm_tiering_fleet_past_known(config: Config, io_delay: int = 0) -> BlackBox:
     """``vllm_tiering_fleet`` short of its known divergence: the fs tier has no notion of weights, so engines on one
     directory must all have the same (known divergence 'fs-tier-shared-across-weights'): no weight updates."""
-    return _rebox(NoWeightUpdates, vllm_tiering_past_known(config))
+    return _rebox(NoWeightUpdates, vllm_tiering_past_known(config, io_delay))
 
 
-def _on_one_directory_past_known() -> Callable[[Config], BlackBox]:
-    one = _on_one_directory()
+def _on_one_directory_past_known(io_delay: int = 0) -> Callable[[Config], BlackBox]:
+    one = _on_one_directory(io_delay)
     return lambda config: _rebox(NoWeightUpdates, one(config))
 
 
