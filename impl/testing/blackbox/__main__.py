@@ -24,6 +24,7 @@ from . import (BlackBox, kvoffload_connector, release, vllm_offloading_connector
                vllm_simple_cpu_connector, vllm_simple_cpu_lazy, vllm_simple_cpu_lazy_past_known,
                vllm_tiering_backpressure, vllm_tiering_connector, vllm_tiering_fleet, vllm_tiering_fleet_past_known,
                vllm_tiering_past_known)
+from .tiering import clean_up
 
 Factory = Callable[[Config], BlackBox]
 FACTORIES: dict[str, tuple[Factory, Factory]] = {  # --connector: (as it is, short of its known divergences)
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             findings.setdefault(found.kind, []).append(f"[{n}] {found.finding}: {trace}")
             first = time.perf_counter() - began if first is None else first
         print(f"[{n}/{len(grid)}] {scenario}: {verdict} ({time.perf_counter() - start:.0f} s)", flush=True)
+        clean_up()  # its engines are gone: their files go now, not all at exit
         if findings and args.first:
             break
     for kind, lines in sorted(findings.items()):
