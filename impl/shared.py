@@ -21,7 +21,7 @@ from kvoffload.spec.records import Namespace
 from kvoffload.spec.store import SharedTier
 from kvoffload.spec.types import Job, Key
 
-from .transfer import HostPool
+from .transfer import HostPool, as_words
 
 Opener = Callable[[Namespace, int], SharedTier]  # (namespace, payload bytes) -> that namespace's records
 
@@ -80,30 +80,38 @@ def _staging(nbytes: int) -> torch.Tensor:
     return buffer[:nbytes]
 
 
+def _spans(pool: HostPool, records: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each region, as words (``as_words``: index kernels move bytes one at a time), with its span of every record:
+    ``[records, k * width]`` bytes (a record's payload is its ``k`` rows, region after region)."""
+    spans, offset = [], 0
+    for region, words in zip(pool.regions, as_words(pool.regions)):
+        width = k * region.shape[1]
+        spans.append((words, records[:, offset:offset + width]))
+        offset += width
+    return spans
+
+
 def record_copy(kind: str, store: SharedTier, pool: HostPool, keys: list[Key], rows: list[int],
                 k: int) -> Callable[[], bool]:
     """A put (host rows -> one record per key) or a get (records -> host rows; False, with no row written, unless
-    every record was there and whole)."""
-    index = [torch.tensor(rows[i * k:(i + 1) * k]) for i in range(len(keys))]
+    every record was there and whole). Rows move one region at a time, every record at once: a copy per record and
+    region held the GIL for the scheduler's thread to wait on (a 64-record get took 33 ms, 6 of them reading)."""
+    index, n = torch.tensor(rows), len(keys)
     if kind == "put":
         def put() -> bool:  # False if the store dropped a record (counted there): it is not in the store
-            staged = _staging(len(keys) * k * pool.row_bytes).view(len(keys), k * pool.row_bytes)
-            for payload, i in zip(staged, index):
-                torch.cat([region[i].reshape(-1) for region in pool.regions], out=payload)
+            staged = _staging(n * k * pool.row_bytes).view(n, k * pool.row_bytes)
+            for words, span in _spans(pool, staged, k):
+                span.copy_(words[index].view(torch.uint8).view(n, span.shape[1]))
             outcomes = store.put([(key, payload.numpy().data) for key, payload in zip(keys, staged)])
             return not any(outcome.startswith("dropped") for outcome in outcomes)
         return put
 
     def get() -> bool:
-        landing = _staging(len(keys) * k * pool.row_bytes).view(len(keys), k * pool.row_bytes)
+        landing = _staging(n * k * pool.row_bytes).view(n, k * pool.row_bytes)
         if not all(store.get(keys, [t.numpy().data for t in landing])):
             return False
-        for i, payload in zip(index, landing):
-            offset = 0
-            for region in pool.regions:
-                width = region.shape[1]
-                region[i] = payload[offset:offset + k * width].view(k, width)
-                offset += k * width
+        for words, span in _spans(pool, landing, k):
+            words[index] = span.reshape(n * k, -1).view(words.dtype)
         return True
     return get
 
