@@ -203,13 +203,13 @@ class World:
     def _attach(self, worker: Connector, rank: int) -> None:
         """Worker ``rank`` (the scheduler side with worker 0) is told its identity, and gets the store's ``open``;
         every namespace it opens is checked (NAMESPACE) against the identities it has held."""
-        namespace, store = self.namespace(rank), cast(Store, self.store)
-        self.held.add(namespace)
+        told, store = self.namespace(rank), cast(Store, self.store)
+        self.held.add(told)
 
         def open(namespace: Namespace, payload_len: int) -> SharedTier:
             invariants.namespace(self, rank, namespace)
             return evolve(store.open(namespace, payload_len), asking=lambda asked: invariants.asked(self, asked))
-        cast(Shareable, worker).attach_shared_tier(open, namespace)
+        cast(Shareable, worker).attach_shared_tier(open, told)
 
     def namespace(self, rank: int) -> Namespace:
         """The KV identity of this engine's shard ``rank``: what its records are shared under, derived from what it
