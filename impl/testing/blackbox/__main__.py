@@ -14,11 +14,17 @@ in tokens or ``full``, each optionally with ``@`` and its own block size (``8@4,
 
 from __future__ import annotations
 
+import argparse
+import gc
+import itertools
+import logging
+import time
 from pathlib import Path
 from typing import Callable
 
 from kvoffload.spec import Config, Violation
 from kvoffload.spec.groups import parse_groups
+from kvoffload.spec.kit import Scenario, run_conformance
 
 from . import (BlackBox, kvoffload_connector, release, vllm_offloading_connector, vllm_offloading_past_known,
                vllm_simple_cpu_connector, vllm_simple_cpu_lazy, vllm_simple_cpu_lazy_past_known,
@@ -40,13 +46,6 @@ FACTORIES: dict[str, tuple[Factory, Factory]] = {  # --connector: (as it is, sho
 
 def main(argv: list[str] | None = None) -> int:
     """Run the hunt; 1 if any configuration failed."""
-    import argparse
-    import itertools
-    import logging
-    import time
-
-    from kvoffload.spec.kit import Scenario, run_conformance
-
     parser = argparse.ArgumentParser(description="vLLM connectors through the kvoffload kit, in black-box mode")
     parser.add_argument("--connector", choices=tuple(FACTORIES), default="vllm",
                         help="vLLM's OffloadingConnector, our KVOffloadConnector, vLLM's tiering with its fs tier "
@@ -80,6 +79,25 @@ def main(argv: list[str] | None = None) -> int:
         policies = ("arc",)
     grid = list(itertools.product(args.groups, (1,) if simple else args.chunk_blocks, (0, 1, 3), tiers,
                                   (True,) if simple else (True, False), policies))
+    gc.freeze()  # what is alive now (vLLM, the kit) is never garbage: each configuration's collection skips it
+    try:
+        n, findings, first = _run(grid, factory, args, tiering)
+    finally:
+        gc.unfreeze()
+    for kind, lines in sorted(findings.items()):
+        print(f"{kind} findings:", *lines, sep="\n  ")
+    if first is not None:
+        print(f"first finding after {first:.0f} s")
+    failed = sum(map(len, findings.values()))
+    print(f"{n - failed} of {n} configurations passed" + (f" ({len(grid) - n} not run: --first)" if n < len(grid)
+                                                           else ""))
+    return 1 if failed else 0
+
+
+def _run(grid: list, factory: Factory, args: argparse.Namespace,
+         tiering: bool) -> tuple[int, dict[str, list[str]], float | None]:
+    """Each configuration of the grid, a line each: how many ran, the findings by kind, and the seconds to the
+    first finding (its shrink included)."""
     findings: dict[str, list[str]] = {}  # by kind: safety, liveness, connector error, ...
     began, first = time.perf_counter(), None  # first: seconds to the first finding (its shrink included)
     for n, (groups, k, delay, tier, prefix_caching, policy) in enumerate(grid, 1):
@@ -101,14 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         clean_up()  # its engines are gone: their files go now, not all at exit
         if findings and args.first:
             break
-    for kind, lines in sorted(findings.items()):
-        print(f"{kind} findings:", *lines, sep="\n  ")
-    if first is not None:
-        print(f"first finding after {first:.0f} s")
-    failed = sum(map(len, findings.values()))
-    print(f"{n - failed} of {n} configurations passed" + (f" ({len(grid) - n} not run: --first)" if n < len(grid)
-                                                           else ""))
-    return 1 if failed else 0
+    return n, findings, first
 
 
 if __name__ == "__main__":
