@@ -49,6 +49,7 @@ if __name__ == "__main__":
         if args.reset_connector:
             outputs = run_rounds(llm, workload(12, seed=1), rounds=1, max_tokens=8)
             result = {"reset": llm.reset_prefix_cache(reset_connector=True)}
+            drain(llm)  # the first round's puts end (they may outlive the reset) and are counted before the second
             before = dict(scheduler_connector(llm).stats())
             outputs += run_rounds(llm, workload(12, seed=1), rounds=args.rounds - 1, max_tokens=8)
             result |= {"outputs": outputs, "stats_before_reset": before}

@@ -89,7 +89,7 @@ def test_after_a_reset_with_the_same_weights_the_records_from_before_it_serve(mo
     before, after = run["stats_before_reset"], run["stats"]
     # the weights are the same after the reset: the records stored before it serve after it (the tier's do not)
     assert before["shared_got_blocks"] == 0 and after["shared_got_blocks"] > 0
-    assert after["shared_stored"] == before["shared_stored"]  # nothing written twice
+    assert before["shared_stored"] > 0 and after["shared_stored"] == before["shared_stored"]  # none written twice
 
 
 def test_a_damaged_record_is_detected_counted_and_recomputed(model, expected, tmp_path):
