@@ -72,13 +72,13 @@ class OffloadScheduler:
         self.config = config
         self.k, self.block_size, self.offload_size = config.k, config.block_size, config.offload_block_size
         self.tier = OffloadTier(config.tier_blocks, config.policy, config.store_threshold, config.offers_remembered)
-        self.windows = [group.window for group in config.groups]  # None: full attention
+        self.reaches = [group.reach for group in config.groups]  # tokens a group reads back; None: all (full attention)
         self.block_sizes, self.offload_sizes = config.block_sizes, config.offload_block_sizes
         self.strides = config.hashes_per_offload_block  # hashes per offload block, per group
         self.ratios = [n // config.k for n in self.strides]  # offload blocks of offload_size in one, per group
         self.hit_step = math.lcm(*self.offload_sizes)  # a hit ends on an offload block boundary of every group
         self.hybrid = config.hybrid  # block ids come one table per group
-        self.windowed = any(w is not None for w in self.windows)  # a window frees blocks while requests run
+        self.windowed = any(r is not None for r in self.reaches)  # a window or a state frees blocks while requests run
         self.grouped = self.hybrid or self.windowed  # else the single-group fast paths
         self.requests: dict[str, RequestState] = {}
         self.num_workers = config.num_workers
@@ -108,7 +108,7 @@ class OffloadScheduler:
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self.requests.get(request.req_id)
         if state is None:
-            state = self.requests[request.req_id] = RequestState(request, [[] for _ in self.windows])
+            state = self.requests[request.req_id] = RequestState(request, [[] for _ in self.reaches])
         self.counters["lookups"] += 1
         if state.unfinished:
             return 0, False  # no load while this request's stores are in flight
@@ -139,17 +139,17 @@ class OffloadScheduler:
         its first missing one; a window its last ones. Windows lower the end until all of them agree (vLLM's fixed
         point), in time linear in the blocks scanned."""
         step, end = self.hit_step, last // self.hit_step * self.hit_step
-        for g, (window, size) in enumerate(zip(self.windows, self.offload_sizes)):
-            if window is None:
+        for g, (reach, size) in enumerate(zip(self.reaches, self.offload_sizes)):
+            if reach is None:
                 j = computed // size
                 while (j + 1) * size <= end and self._ready(hashes, g, j, ready):
                     j += 1
                 end = min(end, j * size // step * step)
         while end > computed:
             lowered = end
-            for g, (window, size) in enumerate(zip(self.windows, self.offload_sizes)):
-                if window is not None:
-                    lowered = self._window_end(hashes, g, -(-(window - 1) // size), computed, lowered, ready)
+            for g, (reach, size) in enumerate(zip(self.reaches, self.offload_sizes)):
+                if reach is not None:
+                    lowered = self._window_end(hashes, g, -(-reach // size), computed, lowered, ready)
             if lowered == end:
                 break
             end = lowered
@@ -297,7 +297,7 @@ class OffloadScheduler:
         for req_id in preempted:
             state = self.requests.get(req_id)
             if state is not None:  # else it finished since it was preempted
-                state.block_tables, state.cursor = [[] for _ in self.windows], 0
+                state.block_tables, state.cursor = [[] for _ in self.reaches], 0
         requests, size, hybrid, windowed = self.requests, self.offload_size, self.hybrid, self.windowed
         # the hot loop: most requests only decode a token (a ScheduledRequest unpacked: cheaper than its fields)
         for req_id, kind, block_ids, computed, scheduled, group_block_ids in scheduler_output.scheduled:
@@ -332,8 +332,8 @@ class OffloadScheduler:
     def _left_behind(self, group: int, computed: int) -> int:
         """Leading blocks of a group's table that the engine may have freed (a sliding window's, once ``computed``
         tokens are computed): it frees them without telling."""
-        window = self.windows[group]
-        return 0 if window is None else max(0, computed - window + 1) // self.block_sizes[group]
+        reach = self.reaches[group]
+        return 0 if reach is None else max(0, computed - reach) // self.block_sizes[group]
 
     def _reading_left_behind(self, state: RequestState, computed: int) -> set[int]:
         """Stores of this request still reading a block its windows left behind: flushed before the forward pass,

@@ -152,7 +152,7 @@ class ReferenceConnector:
         on the GPU (those before ``computed``): all of them for full attention, the last ones a window reads."""
         for g, (group, size) in enumerate(zip(self.groups, self.config.offload_block_sizes)):
             first, last = computed // size, end // size
-            start = first if group.window is None else max(first, last - -(-(group.window - 1) // size))
+            start = first if group.reach is None else max(first, last - -(-group.reach // size))
             if not all(has(group_key(key, g)) for key in keys[g][start:last]):
                 return False
         return True
@@ -291,8 +291,8 @@ class ReferenceConnector:
     def _left_behind(self, group_index: int, computed: int) -> int:
         """Leading blocks of a sliding window's table that the engine may have freed once ``computed`` tokens are
         computed (it frees them without telling): none for full attention."""
-        window = self.groups[group_index].window
-        return 0 if window is None else max(0, computed - window + 1) // self.config.block_sizes[group_index]
+        reach = self.groups[group_index].reach
+        return 0 if reach is None else max(0, computed - reach) // self.config.block_sizes[group_index]
 
     def _reading_left_behind(self, req_id: str, computed: int) -> set[int]:
         """This request's stores that read a block its windows left behind: they must finish before the forward

@@ -98,8 +98,26 @@ class Config:
         if gcd(*self.block_sizes) != self.block_size:
             raise ConfigError(f"block_size ({self.block_size} tokens per block hash) must be the greatest common "
                               f"divisor of the KV cache groups' block sizes {list(self.block_sizes)}, as in vLLM")
+        if any(g.state for g in self.groups):
+            self._check_state_groups()
         if self.policy not in ("lru", "arc"):
             raise ConfigError(f"unknown eviction policy {self.policy!r}; known: 'lru', 'arc'")
+
+    def _check_state_groups(self) -> None:
+        """What the world models of recurrent state (vLLM's align mode), refused clearly beyond it."""
+        if not self.prefix_caching:
+            raise ConfigError("a state group is Mamba state in vLLM's align mode, which is its prefix cache for "
+                              "Mamba: prefix_caching must be on")
+        if len(set(self.block_sizes)) > 1:
+            raise ConfigError(f"with a state group every group has blocks of one size (vLLM aligns them), got "
+                              f"{list(self.block_sizes)}")
+        if self.k > 1:
+            raise ConfigError("a state group's offload block is one GPU block, the state at its end: "
+                              f"offload_block_size must equal block_size, got {self.offload_block_size} and "
+                              f"{self.block_size}")
+        if self.num_spec_tokens:
+            raise ConfigError("speculative decoding with a state group is not modelled yet (rejected drafts would "
+                              "roll a state back): num_spec_tokens must be 0")
 
     @property
     def hybrid(self) -> bool:

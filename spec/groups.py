@@ -1,12 +1,20 @@
 """KV cache groups: the layers of a hybrid model that share one block table, and what each group needs.
 
 A hybrid model's layers do not all attend alike. vLLM puts layers of one kind in one KV cache group, and gives
-every request one block table per group (its blocks come from one shared pool). Two kinds matter here:
+every request one block table per group (its blocks come from one shared pool). Three kinds matter here:
 
   * full attention: every position attends to every earlier one, so a request needs all its blocks;
   * sliding-window attention over the last ``window`` tokens: once a request has processed ``n`` tokens, the
     positions before ``n - window + 1`` are never read again. vLLM frees the blocks that hold only such positions
-    while the request runs and puts its null block (id 0) in their place in the group's block table.
+    while the request runs and puts its null block (id 0) in their place in the group's block table;
+  * recurrent state (Mamba, gated delta net: vLLM's ``MambaSpec`` in ``mamba_cache_mode="align"``): a layer keeps
+    no per-token KV, only a state, and block ``i`` of the group holds the state after exactly its last token,
+    ``(i + 1) * block_size``. That state is a function of the whole prefix, not of the block's own tokens. A
+    request resuming at token ``n`` reads the state of the block holding token ``n - 1`` only, so vLLM frees every
+    block before it (``get_num_skipped_tokens``: ``n - 1``), as for a window of 2 tokens. Unlike a window, state
+    is written only where a chunk ends: vLLM allocates one block for the end of each chunk, leaves the null block
+    at the positions a chunk passes (``allocate_new_blocks``), and ends prefill chunks on block boundaries so that
+    each one leaves a state a later request can hit (the scheduler's ``_mamba_block_aligned_split``).
 
 Groups may have blocks of different sizes: vLLM gives every group blocks of one byte size, so a group whose layers
 keep fewer bytes per token gets blocks of more tokens (``unify_kv_cache_spec_page_size``). Block hashes are then
@@ -29,29 +37,37 @@ from attrs import frozen
 
 @frozen
 class Group:
-    """One KV cache group (vLLM's ``KVCacheGroupSpec``): full attention, or a sliding window of ``window`` tokens;
-    blocks of ``block_size`` tokens (None: the model's, ``Config.block_size``)."""
+    """One KV cache group (vLLM's ``KVCacheGroupSpec``): full attention, a sliding window of ``window`` tokens, or
+    recurrent ``state``; blocks of ``block_size`` tokens (None: the model's, ``Config.block_size``)."""
 
     window: int | None = None
     block_size: int | None = None
+    state: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.window is not None and self.window < 2:
             _refuse(f"a sliding window spans at least 2 tokens, got {self.window!r}")
+        if self.state and self.window is not None:
+            _refuse("a group holds recurrent state or a sliding window of KV, not both")
         size: object = self.block_size
         if size is not None and (not isinstance(size, int) or size <= 0):
             _refuse(f"a group's block_size must be a positive integer, got {size!r}")
 
     def __str__(self) -> str:
-        """``full``, or the window in tokens; ``@`` and the block size when the group has its own: ``8@4``."""
-        kind = "full" if self.window is None else str(self.window)
+        """``full``, ``state``, or the window in tokens; ``@`` and the block size when the group has its own:
+        ``8@4``."""
+        kind = "state" if self.state else "full" if self.window is None else str(self.window)
         return kind if self.block_size is None else f"{kind}@{self.block_size}"
+
+    @property
+    def reach(self) -> int | None:
+        """How many tokens before a position the group still reads there: all of them (None) for full attention,
+        ``window - 1`` for a window, 1 for state (the state after the last token)."""
+        return 1 if self.state else None if self.window is None else self.window - 1
 
     def skipped_blocks(self, num_tokens: int, block_size: int) -> int:
         """Leading blocks no longer read once ``num_tokens`` tokens were processed (vLLM frees them)."""
-        if self.window is None:
-            return 0
-        return max(0, num_tokens - self.window + 1) // block_size
+        return 0 if self.reach is None else max(0, num_tokens - self.reach) // block_size
 
     def blocks_read(self, num_tokens: int, block_size: int) -> range:
         """The blocks a request that has computed ``num_tokens`` tokens still reads (the last one may be partial):
@@ -61,13 +77,15 @@ class Group:
 
 def parse_groups(text: str) -> tuple[Group, ...]:
     """A model's KV cache groups as ``str(Group)`` writes them, comma-separated: ``"4,full@4"`` is
-    ``(Group(4), Group(block_size=4))``, a window in tokens or full attention, a block size of its own after ``@``."""
+    ``(Group(4), Group(block_size=4))``, a window in tokens, full attention or state, a block size of its own after
+    ``@``."""
     def group(part: str) -> Group:
         kind, at, size = part.strip().partition("@")
         try:
-            return Group(None if kind == "full" else int(kind), int(size) if at else None)
+            return Group(None if kind in ("full", "state") else int(kind), int(size) if at else None, kind == "state")
         except ValueError:
-            _refuse(f"cannot read KV cache group {part!r}: a window in tokens or 'full', then optionally @block_size")
+            _refuse(f"cannot read KV cache group {part!r}: a window in tokens, 'full' or 'state', then optionally "
+                    "@block_size")
             raise
     return tuple(map(group, text.split(",")))
 
@@ -90,3 +108,22 @@ def longest_hit(groups: Sequence[Group], block_sizes: Sequence[int], num_tokens:
     return max(end for end in range(0, num_tokens + 1, lcm(*block_sizes))
                if all(cached(g, b) for g, (group, size) in enumerate(zip(groups, block_sizes))
                       for b in group.blocks_read(end, size)))
+
+
+def state_chunk(start: int, n: int, num_prompt_tokens: int, num_tokens: int, block_size: int, budget: int) -> int:
+    """How many of the ``n`` tokens from ``start`` a model with recurrent state computes in one step (vLLM's
+    ``_mamba_block_aligned_split``): a prefill chunk ends where a state can be cached, on a block boundary, and at
+    latest on the last one before the last known token. The prompt's last chunk is not clipped (decode carries its
+    state to the boundary), nor a chunk inside a block wider than the ``budget``; 0: no block-aligned chunk fits."""
+    prefill_end = max(num_prompt_tokens, num_tokens - 1)  # a resumed request replays its outputs as prefill
+    if start >= prefill_end:
+        return n
+    end = start + n
+    if end < prefill_end:
+        aligned_end = end // block_size * block_size
+        if aligned_end > start or block_size <= budget:
+            end = aligned_end
+    last_state = (num_tokens - 1) // block_size * block_size  # one token is always left to compute
+    stops = ((start // block_size + 1) * block_size if start % block_size else 0, last_state)
+    end = min((stop for stop in stops if start < stop < end), default=end)
+    return max(end - start, 0)

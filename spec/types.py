@@ -240,7 +240,7 @@ RESET = "reset"
 # ``update_state_after_alloc``, ``request_finished`` and ``ScheduledRequest.group_block_ids``, and a group's block
 # that a sliding window freed is ``NULL_BLOCK``. Without it the engine gives every layer full-attention blocks.
 GROUPS = "groups"
-NULL_BLOCK = -1  # in a block table: a block the sliding window freed, or never needed (vLLM's null block)
+NULL_BLOCK = -1  # in a block table: a block a window or a state freed, or never needed (vLLM's null block)
 # attach_shared_tier(open, namespace): the tier is backed by a store the fleet shares (``store.SharedTier``, opened
 # for a namespace by ``open``); ``namespace`` is the engine's KV identity (``records.Namespace``), this worker's
 # shard on a worker side. Without it, the kit runs every engine of a fleet with its own tier only.

@@ -27,9 +27,13 @@ The engine modes vLLM runs on GPUs are modelled too, because each one changes wh
   * speculative decoding: draft tokens are scheduled and written like any other, then some are rejected, which
     rolls computed tokens back; a rejected draft's KV is rewritten and never has a hash;
   * weight updates: the tier must forget everything, since KV computed before the update is wrong after it;
-  * hybrid models: several KV cache groups (``Config.groups``: full attention, sliding windows), a block table
-    each, with blocks of its own size; a sliding window's old blocks are freed while the request runs, and a prefix
-    hit counts only as far as every group can supply it (``groups.py``).
+  * hybrid models: several KV cache groups (``Config.groups``: full attention, sliding windows, recurrent state), a
+    block table each, with blocks of its own size; a sliding window's old blocks are freed while the request runs,
+    and a prefix hit counts only as far as every group can supply it (``groups.py``);
+  * recurrent state (Mamba, gated delta nets, in vLLM's align mode): prefill chunks end on block boundaries, a
+    state group holds one block per chunk, the state at its end, and the null block where a chunk passed, and a
+    state enters the prefix cache as its chunk is computed (vLLM caches it as it schedules it, and frees the
+    block a chunk later). The state's content is its whole prefix's, as the chained block hash is.
 """
 
 from __future__ import annotations
@@ -41,9 +45,9 @@ from typing import Iterator, cast
 from attrs import Factory, define, evolve, field
 
 from . import invariants
-from .config import Config
+from .config import Config, ConfigError
 from .executor import Executor
-from .groups import FULL_ATTENTION, Group, longest_hit
+from .groups import FULL_ATTENTION, Group, longest_hit, state_chunk
 from .memory import PARTIAL, BlockPool
 from .records import Namespace
 from .requests import Request, State, continuation, extend_block_hashes, kv_content
@@ -138,6 +142,12 @@ class World:
         """Tokens per block of each group the engine runs."""
         return tuple(map(self.config.block_size_of, self.groups))
 
+    @property
+    def aligned(self) -> bool:
+        """A model with recurrent state (vLLM's ``need_mamba_block_aligned_split``): prefill chunks end on block
+        boundaries, and the state groups allocate one block per chunk."""
+        return any(group.state for group in self.groups)
+
     def block_hash(self, hashes: list[int], block: int, g: int) -> int:
         """The key of block ``block`` of group ``g`` in the prefix cache, from a request's hashes (per
         ``Config.block_size`` tokens): its last hash, in its group."""
@@ -165,6 +175,9 @@ class World:
         return frozenset(getattr(self.connector, "capabilities", ()))
 
     def __attrs_post_init__(self) -> None:
+        if any(group.state for group in self.config.groups) and not self.aligned:
+            raise ConfigError("vLLM cannot turn its hybrid KV cache manager off for a model with recurrent state: "
+                              "the connector must take one block table per KV cache group (GROUPS)")
         self._join(self.connector, self.kv, self.executor)
         if self.pins:
             cast(Pinning, self.connector).bind_gpu_block_pool(self.pool)
@@ -315,7 +328,11 @@ class World:
             if req.num_output_tokens + req.num_placeholders >= req.max_tokens:  # its last tokens are on the way
                 i += 1
                 continue
-            n = min(req.num_tokens + req.num_placeholders - req.num_computed_tokens, budget)
+            n = self._chunk(req, req.num_computed_tokens,
+                            min(req.num_tokens + req.num_placeholders - req.num_computed_tokens, budget))
+            if n == 0:  # no budget left for a block-aligned chunk: vLLM skips the request (``continue``)
+                i += 1
+                continue
             n += self._drafts(req, n, budget)
             self._free_outside_windows(req)
             new_blocks = self._grow(req, req.num_computed_tokens + n)
@@ -372,8 +389,8 @@ class World:
                     break
             if req.loading():
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._grow(req, req.num_computed_tokens + n) is None:
+            n = self._chunk(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+            if n == 0 or self._grow(req, req.num_computed_tokens + n) is None:
                 break
             self.waiting.remove(req)
             self.running.append(req)
@@ -402,7 +419,10 @@ class World:
         """Admission: take the hits, allocate the rest of the first step, tell the connector. False: no room. A
         load fills only the blocks the hit needs: those a sliding window skips once the hit's tokens are computed
         stay NULL_BLOCK, as in vLLM (a hit may end inside a block)."""
-        first_step = num_external if num_external else min(req.num_tokens - num_local, budget)
+        first_step = num_external if num_external else self._chunk(req, num_local,
+                                                                   min(req.num_tokens - num_local, budget))
+        if not first_step:  # no budget for a block-aligned chunk: vLLM admits no more this step (``break``)
+            return False
         held = [b for table in hit for b in table if b != NULL_BLOCK]
         self.pool.take(held)
         req.tables, req.left_behind = [list(table) for table in hit], {}
@@ -421,16 +441,27 @@ class World:
             self.stats["tier_hit_tokens"] += num_external
         return True
 
+    def _chunk(self, req: Request, start: int, n: int) -> int:
+        """The ``n`` tokens from ``start`` that the scheduler computes: a model with recurrent state ends its
+        prefill chunks where a state can be cached (``groups.state_chunk``)."""
+        if not self.aligned:
+            return n
+        return state_chunk(start, n, req.num_prompt_tokens, req.num_tokens, lcm(*self.block_sizes),
+                           self.config.token_budget)
+
     def _grow(self, req: Request, num_tokens: int) -> list[list[int]] | None:
-        """Blocks for ``num_tokens`` in every group, all or none; the new ones per group."""
+        """Blocks for ``num_tokens`` in every group, all or none; the new ones per group. A state group gets one
+        block, for the state at the end, and the null block at the positions before it (vLLM's align mode)."""
         needs = [max(-(-num_tokens // size) - len(table), 0) for table, size in zip(req.tables, self.block_sizes)]
+        needs = [min(n, 1) if group.state else n for n, group in zip(needs, self.groups)]
         new = self.pool.allocate(sum(needs))
         if new is None:
             return None
         added = []
-        for table, n in zip(req.tables, needs):
-            added.append(new[:n])
-            table += new[:n]
+        for table, n, size in zip(req.tables, needs, self.block_sizes):
+            nulls = [NULL_BLOCK] * (-(-num_tokens // size) - n - len(table)) if n else []
+            added.append(nulls + new[:n])  # the null blocks are new ids too, as vLLM reports them
+            table += added[-1]
             new = new[n:]
         return added
 
@@ -490,6 +521,8 @@ class World:
                 self.stats["rejected_drafts"] += drafts - accepted
             else:
                 req.num_final_tokens = end
+                if self.aligned:  # vLLM caches a state as it schedules it: before the next chunk frees its block
+                    self._cache_full_blocks(req)
         return samples
 
     @staticmethod
@@ -502,8 +535,8 @@ class World:
         bs = self.config.block_size
         hashes = req.content_hashes[:len(req.tokens) // bs]
         extend_block_hashes(inputs, bs, hashes)  # blocks holding drafts get the hash of what was really input
-        for g, (table, size) in enumerate(zip(req.tables, self.block_sizes)):
-            for i in range(start // size, -(-end // size)):
+        for g, (table, size, group) in enumerate(zip(req.tables, self.block_sizes, self.groups)):
+            for i in range((end - 1 if group.state else start) // size, -(-end // size)):  # a state: where it ends
                 invariants.not_in_flight(self, table[i], "written by the forward pass")
                 self.window_freed.discard(table[i])
                 content = self.kv_of(self.block_hash(hashes, i, g)) if end >= (i + 1) * size else PARTIAL

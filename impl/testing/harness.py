@@ -14,7 +14,7 @@ from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfi
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec,
                                         SlidingWindowSpec)
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -24,34 +24,41 @@ BLOCK_SIZE = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 
-def make_configs(model: Path, num_blocks: int, connector: str, module: str | None, extra: dict,
+def make_configs(model: Path, num_blocks: int, connector: str | None, module: str | None, extra: dict,
                  block_size: int = BLOCK_SIZE, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
                  num_spec_tokens: int = 0, world_size: int = 1,
                  groups: tuple[Group, ...] = FULL_ATTENTION) -> tuple[VllmConfig, KVCacheConfig]:
     """The configs vLLM's engine would build for ``model`` (a config directory is enough): a KV cache of
     ``num_blocks`` blocks of ``block_size`` tokens, one KV cache group of two layers per entry of ``groups`` (full
     attention or a sliding window; a group with blocks of its own size has as much fewer bytes per token, so that
-    every page has one size, as vLLM's ``unify_kv_cache_spec_page_size`` makes them), and the named connector.
+    every page has one size, as vLLM's ``unify_kv_cache_spec_page_size`` makes them; a state group is a gated delta
+    net's state in align mode, its page padded to that size), and the named connector (None: none).
     ``num_spec_tokens`` turns on ngram speculative decoding (no draft model needed); ``world_size`` is the
     tensor-parallel size."""
     speculative = (SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens, prompt_lookup_max=3,
                                      prompt_lookup_min=2) if num_spec_tokens else None)
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=1024),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        # with recurrent state, vLLM's cache block size is the state's (align mode gives every group that size)
+        cache_config=CacheConfig(block_size=next((g.block_size or block_size for g in groups if g.state), block_size),
+                                 enable_prefix_caching=True,
+                                 mamba_cache_mode="align" if any(g.state for g in groups) else "none"),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                          max_model_len=1024, is_encoder_decoder=False),
         parallel_config=ParallelConfig(tensor_parallel_size=world_size),
         speculative_config=speculative,
         kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role="kv_both",
                                             kv_connector_module_path=module, kv_connector_extra_config=extra,
-                                            kv_load_failure_policy="recompute"),
+                                            kv_load_failure_policy="recompute") if connector else None,
         device_config=DeviceConfig("cpu"))
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    def spec(group: Group) -> FullAttentionSpec | SlidingWindowSpec:
+    def spec(group: Group) -> FullAttentionSpec | SlidingWindowSpec | MambaSpec:
         size = group.block_size or block_size
         if size % block_size or 32 % (size // block_size):
             raise ValueError(f"a group's blocks of {size} tokens: not 1, 2, 4, ... 32 blocks of {block_size}")
+        if group.state:  # a gated delta net's conv and recurrent state, padded to the attention page (vLLM pads)
+            return MambaSpec(block_size=size, shapes=((3, 16), (2, 8, 8)), dtypes=(torch.float32, torch.float32),
+                             page_size_padded=2 * size * 2 * 32 * 4, mamba_cache_mode="align")
         shape = dict(block_size=size, num_kv_heads=2, head_size=32 * block_size // size, dtype=torch.float32)
         if group.window is None:
             return FullAttentionSpec(**shape)  # type: ignore[arg-type]
@@ -69,7 +76,7 @@ def make_configs(model: Path, num_blocks: int, connector: str, module: str | Non
     return vllm_config, kv_cache_config
 
 
-def make_scheduler(model: Path, num_blocks: int, connector: str, module: str | None, extra: dict,
+def make_scheduler(model: Path, num_blocks: int, connector: str | None, module: str | None, extra: dict,
                    max_num_seqs: int = 16, max_num_batched_tokens: int = 256, async_scheduling: bool = False,
                    num_spec_tokens: int = 0, world_size: int = 1, log_stats: bool = False,
                    groups: tuple[Group, ...] = FULL_ATTENTION) -> Scheduler:

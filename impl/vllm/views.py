@@ -61,11 +61,11 @@ VLLM_NULL_BLOCK = 0  # vLLM's null block: where a sliding window freed a block, 
 
 class BlockTables:
     """vLLM's block ids (a list per KV cache group) in the connector's form: one table per group in a hybrid
-    model, else the one table; vLLM's null block as ``NULL_BLOCK`` wherever a sliding window may put it."""
+    model, else the one table; vLLM's null block as ``NULL_BLOCK`` wherever a window or a state may put it."""
 
     def __init__(self, config: Config) -> None:
         self.hybrid = config.hybrid
-        self.windowed = any(g.window is not None for g in config.groups)
+        self.windowed = any(g.reach is not None for g in config.groups)  # a window or a state: null blocks
 
     def _table(self, ids: Any) -> tuple[int, ...]:
         return tuple(NULL_BLOCK if b == VLLM_NULL_BLOCK else b for b in ids) if self.windowed else tuple(ids)

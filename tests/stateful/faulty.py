@@ -11,7 +11,7 @@ from attrs import evolve
 from kvoffload.impl import OffloadConnector, OffloadTier
 from kvoffload.reference import LRUTier, ReferenceConnector
 from kvoffload.spec import SpecConnector
-from kvoffload.spec.groups import longest_hit
+from kvoffload.spec.groups import Group, longest_hit
 from kvoffload.spec.types import WorkerOutput, group_key, offload_keys
 
 
@@ -272,6 +272,34 @@ class HitsWithoutTheWindow(SpecConnector):
         return (end * per - num_computed_tokens, True) if end > start else (0, False)
 
 
+class HitsWithoutTheState(SpecConnector):
+    """A lookup written before models had recurrent state: it asks only the attention groups, so a request would
+    resume on the attention KV with whatever state its block held (vllm #50454: corrupted output from a hybrid
+    model behind a connector)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.requests[request.req_id] = request
+        if any(t.req_id == request.req_id for t in self.unfinished.values()):
+            return 0, False
+        per = self.config.offload_block_size
+        attention = [g for g, group in enumerate(self.config.groups) if not group.state]  # the bug: only these
+        start = num_computed_tokens // per
+        keys = offload_keys(request.block_hashes, self.config.k, 0, (request.num_tokens - 1) // per)
+        end = start
+        while end < len(keys) and all(self.tier.lookup([group_key(keys[end], g)]) for g in attention):
+            end += 1
+        return (end * per - num_computed_tokens, True) if end > start else (0, False)
+
+
+class StoresTheStateLikeAttention(SpecConnector):
+    """A connector that takes a state group for full attention: it stores every position of the group's table,
+    the null block where a chunk passed among them, under that position's key."""
+
+    def __init__(self, config):
+        super().__init__(evolve(config, groups=tuple(Group(block_size=g.block_size) if g.state else g
+                                                     for g in config.groups)))
+
+
 class SwapsGroups(SpecConnector):
     """A store that files each group's blocks under the other group's key (group ids swapped in one job)."""
 
@@ -333,6 +361,8 @@ HYBRID_VARIANTS = {
     SwapsGroups: "hybrid-w4-full-immediate",
     KeysEveryGroupPerHashBlock: "hybrid-w8@4-full-delayed-failures",
     HitsInsideALargerBlock: "hybrid-full@6-w5-full@4-tp2-no-prefix-cache",
+    HitsWithoutTheState: "hybrid-state-full-delayed-failures",
+    StoresTheStateLikeAttention: "hybrid-full-state-w4-async-tp2-delayed-failures",
 }
 
 

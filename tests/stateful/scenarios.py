@@ -81,6 +81,15 @@ HYBRID_SCENARIOS = {
     "hybrid-w4-full-prompts-only-threshold2-delayed": Scenario(
         Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(4), Group()), store_threshold=2,
                store_prompts_only=True), delay=1),
+    # recurrent state (Qwen3-Next, Nemotron-H, Jamba style), with attention and alone (a Mamba2 model); stores that
+    # outlive the chunk after theirs (vLLM frees a state's block then)
+    "hybrid-state-full-delayed-failures": Scenario(
+        Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(state=True), Group())), delay=1, failures=True),
+    "hybrid-full-state-w4-async-tp2-delayed-failures": Scenario(
+        Config(num_gpu_blocks=28, tier_blocks=16, groups=(Group(), Group(state=True), Group(4)), async_scheduling=True,
+               num_workers=2), delay=3, failures=True),
+    "hybrid-state-only-delayed": Scenario(Config(num_gpu_blocks=16, tier_blocks=6, groups=(Group(state=True),)),
+                                          delay=2),
     "hybrid-full@6-w5-full@4-tp2-no-prefix-cache": Scenario(
         Config(num_gpu_blocks=36, tier_blocks=24, groups=(Group(block_size=6), Group(5), Group(block_size=4)),
                num_workers=2, prefix_caching=False), delay=1, failures=True),

@@ -1,7 +1,7 @@
 """The spec's rules for hybrid models (``kvoffload.spec.groups``) against vLLM's own KV cache coordinator: the
-blocks a sliding window frees, and the longest prefix hit every group can supply, on random cached sets, with
-groups of one block size or of several (vLLM hashes per their greatest common divisor, and a hit ends on a block
-boundary of every group)."""
+blocks a sliding window or a recurrent state frees, and the longest prefix hit every group can supply, on random
+cached sets, with groups of one block size or of several (vLLM hashes per their greatest common divisor, and a hit
+ends on a block boundary of every group)."""
 
 from math import gcd, lcm
 
@@ -15,8 +15,8 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install kv
 import torch  # noqa: E402
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator  # noqa: E402
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id  # noqa: E402
-from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager  # noqa: E402
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager, SlidingWindowManager  # noqa: E402
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,  # noqa: E402
                                         SlidingWindowSpec)
 
 from kvoffload.spec.groups import Group, longest_hit  # noqa: E402
@@ -26,6 +26,9 @@ NUM_BLOCKS = 64
 
 
 def vllm_spec(group: Group, block_size: int):
+    if group.state:  # a gated delta net's conv and recurrent state, as vLLM's align mode caches it
+        return MambaSpec(block_size=block_size, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32),
+                         mamba_cache_mode="align")
     shape = dict(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
     return FullAttentionSpec(**shape) if group.window is None else SlidingWindowSpec(sliding_window=group.window,
                                                                                      **shape)
@@ -42,7 +45,8 @@ def coordinator(groups: list[Group], block_sizes: list[int]):
 
 
 windows = st.integers(2, 40)
-hybrids = st.lists(st.one_of(st.just(Group()), windows.map(Group)), min_size=2, max_size=3).filter(
+STATE = Group(state=True)
+hybrids = st.lists(st.one_of(st.just(Group()), windows.map(Group), st.just(STATE)), min_size=2, max_size=3).filter(
     lambda groups: Group() in groups)  # vLLM's hybrid coordinator expects a full-attention group
 
 
@@ -50,7 +54,8 @@ hybrids = st.lists(st.one_of(st.just(Group()), windows.map(Group)), min_size=2, 
 @given(groups=hybrids, block_size=st.sampled_from([2, 4, 8]), num_hashes=st.integers(0, 12), data=st.data())
 def test_the_longest_hit_is_vllms(groups, block_size, num_hashes, data):
     scales = data.draw(st.one_of(st.just([1] * len(groups)),  # one block size, or each group its own multiple
-                                 st.lists(st.sampled_from([1, 2, 3]), min_size=len(groups), max_size=len(groups))))
+                                 st.lists(st.sampled_from([1, 2, 3]), min_size=len(groups), max_size=len(groups)))
+                       if STATE not in groups else st.just([1] * len(groups)))  # align mode: one block size
     sizes = [block_size * s for s in scales]
     hash_size = gcd(*sizes)
     hashes = [BlockHash(bytes([b]) * 8) for b in range(num_hashes)]
@@ -74,3 +79,50 @@ def test_the_blocks_a_sliding_window_frees_are_vllms(window, block_size, num_tok
     skipped_tokens = manager.get_num_skipped_tokens(num_tokens)
     assert Group(window).skipped_blocks(num_tokens, block_size) == skipped_tokens // block_size
     assert Group().skipped_blocks(num_tokens, block_size) == 0
+
+
+@settings(deadline=None)
+@given(block_size=st.sampled_from([1, 2, 4, 8, 16]), num_tokens=st.integers(0, 200))
+def test_the_blocks_a_state_frees_are_vllms(block_size, num_tokens):
+    manager = coordinator([STATE, Group()], [block_size, block_size]).single_type_managers[0]
+    assert isinstance(manager, MambaManager)
+    skipped_tokens = max(manager.get_num_skipped_tokens(num_tokens), 0)  # vLLM's n - 1 is -1 at n = 0
+    assert STATE.skipped_blocks(num_tokens, block_size) == skipped_tokens // block_size
+    assert list(STATE.blocks_read(num_tokens, block_size)) == ([-(-num_tokens // block_size) - 1] if num_tokens
+                                                               else [])
+
+
+@pytest.fixture(scope="module")
+def aligned_schedulers(tmp_path_factory):
+    """vLLM's real Scheduler for a model with recurrent state in align mode, per (block size, token budget)."""
+    from kvoffload.impl.testing.demo import build_tiny_llama
+    from kvoffload.impl.testing.harness import make_scheduler
+
+    model = build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+    return {(size, budget): make_scheduler(model, 64, None, None, {}, max_num_batched_tokens=budget, max_num_seqs=8,
+                                           groups=(Group(state=True, block_size=size), Group(block_size=size)))
+            for size in (16, 32) for budget in (8, 24, 256)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.sampled_from([(size, budget) for size in (16, 32) for budget in (8, 24, 256)]),
+       prompt=st.integers(1, 150), outputs=st.integers(0, 40), data=st.data())
+def test_a_chunk_ends_where_vllm_ends_it_for_a_model_with_state(aligned_schedulers, key, prompt, outputs, data):
+    """Prefill chunks of a model with recurrent state end where vLLM's scheduler ends them (``state_chunk``), from
+    every start, for every chunk the budget allows, the prompt's own and a resumed request's outputs alike."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvoffload.spec.groups import state_chunk
+
+    scheduler, (size, budget) = aligned_schedulers[key], key
+    assert scheduler.need_mamba_block_aligned_split and scheduler.block_size == size
+    request = Request("r", list(range(prompt)), SamplingParams(max_tokens=100), None)
+    request.append_output_token_ids(list(range(outputs)))
+    last = request.num_tokens - 1
+    start = data.draw(st.one_of(st.integers(0, last // size).map(lambda block: block * size),  # on a boundary
+                                st.integers(0, last)), label="start")
+    n = data.draw(st.integers(1, min(budget, request.num_tokens - start)), label="n")
+    request.num_computed_tokens = start
+    assert state_chunk(start, n, prompt, request.num_tokens, size, budget) == \
+        scheduler._mamba_block_aligned_split(request, n)
