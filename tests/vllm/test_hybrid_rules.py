@@ -126,3 +126,50 @@ def test_a_chunk_ends_where_vllm_ends_it_for_a_model_with_state(aligned_schedule
     request.num_computed_tokens = start
     assert state_chunk(start, n, prompt, request.num_tokens, size, budget) == \
         scheduler._mamba_block_aligned_split(request, n)
+
+
+def test_a_state_group_holds_the_blocks_vllm_holds(tmp_path):
+    """Step by step, the world's state group holds a block where vLLM's ``MambaManager`` holds one and the null
+    block where it holds its null block: one block per chunk, none where a chunk passed, the one before the last
+    freed once the next chunk is computed; a prefix hit holds its last state only. vLLM's real Scheduler (no
+    connector) and the world run the same requests: a prompt, then ones that share its first four and two blocks."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    from kvoffload.impl.testing.demo import build_tiny_llama
+    from kvoffload.impl.testing.harness import make_scheduler
+    from kvoffload.spec import Config, ListKV, SpecConnector, World
+    from kvoffload.spec.executor import Executor
+
+    size, budget, groups = 16, 40, (STATE, Group())  # chunks of two blocks: one state each
+    real = make_scheduler(build_tiny_llama(tmp_path / "tiny-llama"), 64, None, None, {},
+                          max_num_batched_tokens=budget, max_num_seqs=8,
+                          groups=tuple(Group(block_size=size, state=g.state) for g in groups))
+    config = Config(num_gpu_blocks=64, block_size=size, offload_block_size=size, tier_blocks=2, token_budget=budget,
+                    groups=groups)
+    world = World(config, SpecConnector(config), ListKV(64), Executor(0), grouped=True)
+    first = [i % 3 for i in range(70)]
+    prompts = [first, first[:64] + [2] * 30, first[:32] + [1] * 20]  # hits on the states at 64 and at 32
+    init_none_hash(sha256)
+    hasher, compared = get_request_block_hasher(size, sha256), 0
+    for r, prompt in enumerate(prompts):
+        real.add_request(Request(f"v{r}", prompt, SamplingParams(max_tokens=36), None, block_hasher=hasher))
+        world.add_request(prompt, max_tokens=36)
+        while real.requests:
+            out = real.schedule()
+            world.step()
+            for (req_id, request), ours in zip(real.requests.items(), world.requests.values()):
+                theirs = [b.block_id for b in real.kv_cache_manager.coordinator.single_type_managers[0]
+                          .req_to_blocks[req_id]]
+                assert [b == 0 for b in theirs] == [b == -1 for b in ours.tables[0]], \
+                    (req_id, request.num_computed_tokens, theirs, ours.tables[0])
+                compared += 1
+            ids = [r.req_id for r in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
+            sampled = [[5] if real.requests[i].num_computed_tokens >= real.requests[i].num_tokens else [] for i in ids]
+            real.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={i: n for n, i in
+                                                                                           enumerate(ids)},
+                                                           sampled_token_ids=sampled))
+    assert compared > 40 and world.stats["engine_hit_blocks"] > 0
