@@ -9,7 +9,7 @@ one cross-layer tensor). The host pool is one allocation (pinned when CUDA is pr
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -20,23 +20,38 @@ from kvoffload.spec.types import Job, TransferKind
 LAYOUTS = ("blocks_first", "kv_first")  # [num_blocks, ...] / [2, num_blocks, ...]
 
 
-def block_views(caches: Mapping[str, torch.Tensor], layout: str) -> list[torch.Tensor]:
+def block_views(caches: Mapping[str, Any], layout: str) -> list[torch.Tensor]:
     """``[num_blocks, bytes]`` uint8 views of every region a block occupies, in a fixed order, each once: in a
     hybrid model the KV cache groups overlay one allocation (a layer of each group on the same bytes, since a block
-    belongs to one group at a time), and copying a block's bytes once copies it for whichever group holds it."""
+    belongs to one group at a time), and copying a block's bytes once copies it for whichever group holds it. A
+    layer may be a list of tensors (a Mamba layer's conv and recurrent state), and a tensor may use only part of
+    each block's page (vLLM pads state pages to the attention page size): such a region is strided, and dropped
+    when another region of the same pages holds it."""
     if layout not in LAYOUTS:
         raise ConfigError(f"unknown KV layout {layout!r}; known: {', '.join(LAYOUTS)}")
-    unique: dict[tuple[int, ...], torch.Tensor] = {}
-    for name, tensor in caches.items():
-        for part in ((tensor[0], tensor[1]) if layout == "kv_first" else (tensor,)):
-            if not part.is_contiguous():
-                raise ConfigError(f"KV cache {name!r} is not contiguous: blocks cannot be copied as byte spans")
-            view = part.reshape(part.shape[0], -1).view(torch.uint8)
-            unique.setdefault((view.data_ptr(), *view.shape), view)  # an aliased layer: the same bytes
-    views = list(unique.values())
+    regions = [_byte_view(name, part) for name, layer in caches.items()
+               for tensor in (layer if isinstance(layer, (list, tuple)) else (layer,))
+               for part in ((tensor[0], tensor[1]) if layout == "kv_first" else (tensor,))]
+    spans = [(v.untyped_storage().data_ptr(), v.stride(0), v.storage_offset(), v.storage_offset() + v.shape[1])
+             for v in regions]
+    views = [v for i, (v, (ptr, stride, start, end)) in enumerate(zip(regions, spans))
+             if not any(p == ptr and s == stride and a <= start and end <= b and (j < i or (a, b) != (start, end))
+                        for j, (p, s, a, b) in enumerate(spans) if j != i)]
     if not views or len({v.shape[0] for v in views}) != 1:
         raise ConfigError(f"KV caches disagree on the number of blocks: {[tuple(v.shape) for v in views]}")
     return views
+
+
+def _byte_view(name: str, part: torch.Tensor) -> torch.Tensor:
+    """One cache tensor's ``[num_blocks, bytes]`` uint8 view: its blocks' bytes, rows as far apart as its pages."""
+    if part.is_contiguous():
+        return part.reshape(part.shape[0], -1).view(torch.uint8)
+    item, width = part.element_size(), part[0].numel() * part.element_size()
+    if not part[0].is_contiguous() or part.stride(0) * item < width:
+        raise ConfigError(f"KV cache {name!r} of shape {tuple(part.shape)} and strides {part.stride()} does not hold "
+                          "each block in one span of bytes: its blocks cannot be copied as byte spans")
+    pages = torch.empty(0, dtype=torch.uint8, device=part.device).set_(part.untyped_storage())
+    return pages.as_strided((part.shape[0], width), (part.stride(0) * item, 1), part.storage_offset() * item)
 
 
 def runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:

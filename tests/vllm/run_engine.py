@@ -27,14 +27,17 @@ if __name__ == "__main__":
 
     from vllm.config import KVTransferConfig
 
-    from kvoffload.impl.testing.demo import drain, make_llm, run_rounds, scheduler_connector, workload
+    from kvoffload.impl.testing.demo import drain, has_state, make_llm, run_rounds, scheduler_connector, workload
 
     config = None
     if args.connector:
         module, cls = args.connector.split(":")
         config = KVTransferConfig(kv_connector=cls, kv_role="kv_both", kv_connector_module_path=module,
                                   kv_connector_extra_config=json.loads(args.extra), kv_load_failure_policy="recompute")
-    llm = make_llm(args.model, config, num_gpu_blocks=args.gpu_blocks, kv_events=args.kv_events)
+    # a model with recurrent state gets vLLM's aligned blocks (256 tokens), and documents of several of them
+    llm = make_llm(args.model, config, num_gpu_blocks=args.gpu_blocks, kv_events=args.kv_events,
+                   **({"max_model_len": 4096} if has_state(args.model) else {}))
+    prompts = workload(12, seed=1, block_size=llm.llm_engine.vllm_config.cache_config.block_size)
     if args.max_file_bytes:  # once the engine is built (it writes its compile caches at start-up)
         import resource
         import signal
@@ -47,14 +50,14 @@ if __name__ == "__main__":
         scheduler_connector(llm).get_kv_connector_stats = lambda: intervals.append(take()) or intervals[-1]
     try:
         if args.reset_connector:
-            outputs = run_rounds(llm, workload(12, seed=1), rounds=1, max_tokens=8)
+            outputs = run_rounds(llm, prompts, rounds=1, max_tokens=8)
             result = {"reset": llm.reset_prefix_cache(reset_connector=True)}
             drain(llm)  # the first round's puts end (they may outlive the reset) and are counted before the second
             before = dict(scheduler_connector(llm).stats())
-            outputs += run_rounds(llm, workload(12, seed=1), rounds=args.rounds - 1, max_tokens=8)
+            outputs += run_rounds(llm, prompts, rounds=args.rounds - 1, max_tokens=8)
             result |= {"outputs": outputs, "stats_before_reset": before}
         else:
-            result = {"outputs": run_rounds(llm, workload(12, seed=1), rounds=args.rounds, max_tokens=8)}
+            result = {"outputs": run_rounds(llm, prompts, rounds=args.rounds, max_tokens=8)}
         if config is not None:
             drain(llm)  # every transfer reported: the counters are the whole run's
     except Exception as exc:  # noqa: BLE001 - reported to the test, with whatever the connector saw
