@@ -2,8 +2,8 @@
 
 They are registered under kvoffload's own names (``kvoffload-pr``, ``kvoffload-quick``, ``kvoffload-nightly``,
 ``kvoffload-mutation``), so importing the kit never replaces a profile of the project that uses it, and nothing is
-loaded at import. The short names (``pr``, ``quick``, ``nightly``, ``mutation``) mean ours wherever the kit takes a profile name: ``load_profile``,
-``run_conformance(profile=...)``, ``$HYPOTHESIS_PROFILE`` and ``--kvoffload-profile``.
+loaded at import. The short names (``pr``, ``quick``, ``nightly``, ``mutation``) mean ours wherever the kit takes a
+profile name: ``load_profile``, ``run_conformance(profile=...)``, ``$HYPOTHESIS_PROFILE`` and ``--kvoffload-profile``.
 """
 
 from __future__ import annotations
