@@ -179,6 +179,17 @@ def lora_salt(request: Any) -> bytes:
     return adapter_salt(os.path.abspath(os.path.expanduser(lora.lora_path))) if lora and lora.lora_path else b""
 
 
+def group_layout(spec: Any) -> str:
+    """What a KV cache group's pages hold, as the identity names it: the spec's kind and page size, and for a
+    Mamba group its kind of state (Mamba, Mamba2, gated delta net...) and each state tensor's shape and dtype,
+    which its page size alone does not tell (vLLM pads state pages to the attention page size)."""
+    kind = f"{type(spec).__name__}:{spec.page_size_bytes}"
+    if not hasattr(spec, "mamba_type"):
+        return kind
+    states = ",".join(f"{'x'.join(map(str, shape))}/{dtype}" for shape, dtype in zip(spec.shapes, spec.dtypes))
+    return f"{kind}:{spec.mamba_type}[{states}]"
+
+
 @dataclass
 class KVOffloadHandshake(KVConnectorHandshakeMetadata):
     """Worker -> scheduler at start-up (vLLM's handshake): the digest of the weights this worker holds."""
@@ -196,8 +207,7 @@ def namespace_from_vllm(vllm_config: Any, kv_cache_config: Any, config: Config, 
     from vllm.v1.core import kv_cache_utils
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
-    layout = ";".join(f"{type(g.kv_cache_spec).__name__}:{g.kv_cache_spec.page_size_bytes}x{len(g.layer_names)}"
-                      for g in kv_cache_config.kv_cache_groups)
+    layout = ";".join(f"{group_layout(g.kv_cache_spec)}x{len(g.layer_names)}" for g in kv_cache_config.kv_cache_groups)
     dtype = str(model.dtype) if cache.cache_dtype == "auto" else cache.cache_dtype
     return Namespace(model=",".join(model.architectures), weights=weights, config=config_digest(vllm_config),
                      kv_dtype=dtype, kv_layout=layout, block_size=config.offload_block_size,

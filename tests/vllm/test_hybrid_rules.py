@@ -173,3 +173,35 @@ def test_a_state_group_holds_the_blocks_vllm_holds(tmp_path):
                                                                                            enumerate(ids)},
                                                            sampled_token_ids=sampled))
     assert compared > 40 and world.stats["engine_hit_blocks"] > 0
+
+
+def test_the_identity_names_the_kind_of_state_and_its_dtypes(tmp_path):
+    """Two engines whose state pages have one size but other contents (another kind of state, or an SSM state kept
+    in another dtype: ``--mamba-ssm-cache-dtype``) never share records: their identities differ."""
+    import dataclasses
+
+    from vllm.utils.hashing import sha256
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    from kvoffload.impl.testing.demo import build_tiny_llama
+    from kvoffload.impl.testing.harness import make_configs
+    from kvoffload.impl.vllm.identity import namespace_from_vllm
+    from kvoffload.spec import Config
+
+    init_none_hash(sha256)
+    vllm_config, kv_cache_config = make_configs(build_tiny_llama(tmp_path / "tiny-llama"), 64, None, None, {},
+                                                groups=(STATE, Group()))
+    config = Config(num_gpu_blocks=64, block_size=16, offload_block_size=16, groups=(STATE, Group()))
+
+    def identity(**state) -> str:
+        group = kv_cache_config.kv_cache_groups[0]
+        changed = dataclasses.replace(kv_cache_config, kv_cache_groups=[
+            dataclasses.replace(group, kv_cache_spec=dataclasses.replace(group.kv_cache_spec, **state)),
+            *kv_cache_config.kv_cache_groups[1:]])
+        return namespace_from_vllm(vllm_config, changed, config, "", "w").digest
+
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    assert len({identity(), identity(dtypes=(torch.float32, torch.bfloat16)),
+                identity(shapes=(spec.shapes[0], (4, 4, 8))),
+                identity(mamba_type=MambaAttentionBackendEnum.GDN_ATTN)}) == 4
