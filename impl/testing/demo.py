@@ -81,7 +81,6 @@ def build_tiny_qwen3_next(path: Path, seed: int = 0) -> Path:
     layer, a small mixture of experts, bf16 (the CPU engine's gated-delta-net kernel needs it; its attention needs
     heads of 64). vLLM's CPU build runs it with four KV cache groups, in align mode with prefix caching."""
     def qwen3_next() -> Any:
-        import torch
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
         config = Qwen3NextConfig(
             num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], head_dim=64,
@@ -89,7 +88,7 @@ def build_tiny_qwen3_next(path: Path, seed: int = 0) -> Path:
             linear_value_head_dim=64, linear_num_key_heads=1, linear_num_value_heads=2, num_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
             **{**TINY, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4096})
-        return Qwen3NextForCausalLM(config).to(torch.bfloat16)
+        return Qwen3NextForCausalLM(config)  # saved in fp32: the engine loads it as bf16
     return save_once(path, qwen3_next, seed)
 
 
