@@ -1,4 +1,4 @@
-"""Hypothesis profile for every test: $HYPOTHESIS_PROFILE (pr, quick, nightly, mutation), default pr. The Redis tier's
+"""Hypothesis profile for every test: $HYPOTHESIS_PROFILE (pr, nightly, mutation), default pr. The Redis tier's
 server fixture."""
 
 import os

@@ -1,9 +1,9 @@
 """The kit's Hypothesis profiles: the one place its settings live.
 
-They are registered under kvoffload's own names (``kvoffload-pr``, ``kvoffload-quick``, ``kvoffload-nightly``,
-``kvoffload-mutation``), so importing the kit never replaces a profile of the project that uses it, and nothing is
-loaded at import. The short names (``pr``, ``quick``, ``nightly``, ``mutation``) mean ours wherever the kit takes a
-profile name: ``load_profile``, ``run_conformance(profile=...)``, ``$HYPOTHESIS_PROFILE`` and ``--kvoffload-profile``.
+They are registered under kvoffload's own names (``kvoffload-pr``, ``kvoffload-nightly``, ``kvoffload-mutation``), so
+importing the kit never replaces a profile of the project that uses it, and nothing is loaded at import. The short
+names (``pr``, ``nightly``, ``mutation``) mean ours wherever the kit takes a profile name: ``load_profile``,
+``run_conformance(profile=...)``, ``$HYPOTHESIS_PROFILE`` and ``--kvoffload-profile``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import Any, Iterator
 
 from hypothesis import HealthCheck, Phase, settings
 
-PROFILES = {"pr": "kvoffload-pr", "quick": "kvoffload-quick", "nightly": "kvoffload-nightly",  # short: ours
-            "mutation": "kvoffload-mutation"}
+PROFILES = {"pr": "kvoffload-pr", "nightly": "kvoffload-nightly", "mutation": "kvoffload-mutation"}  # short: ours
 PROFILE_ENV = "HYPOTHESIS_PROFILE"
 
 _COMMON: dict[str, Any] = dict(deadline=None, report_multiple_bugs=False,
@@ -28,8 +27,6 @@ _NO_EXPLAIN = [p for p in Phase if p is not Phase.explain]
 FIND_ONLY = [p for p in _NO_EXPLAIN if p is not Phase.shrink]
 settings.register_profile(PROFILES["pr"], derandomize=True, max_examples=120, stateful_step_count=40,
                           phases=_NO_EXPLAIN, **_COMMON)
-# quick: the first third of pr's programs (its first seed's), for a second vLLM release or a run before a commit
-settings.register_profile(PROFILES["quick"], settings.get_profile(PROFILES["pr"]), max_examples=40)
 settings.register_profile(PROFILES["nightly"], max_examples=2000, stateful_step_count=80, phases=_NO_EXPLAIN,
                           **_COMMON)
 settings.register_profile(PROFILES["mutation"], derandomize=True, database=None, max_examples=200,
@@ -39,7 +36,7 @@ settings.register_profile(PROFILES["mutation"], derandomize=True, database=None,
 # programs in every process, whatever the factory is called and however kvoffload is installed, and does not hang
 # on one seed's luck. A failure names the seed it came from. Other profiles: nightly draws fresh programs each run,
 # mutation follows derandomize.
-SEEDS = {PROFILES["pr"]: (0, 1, 2), PROFILES["quick"]: (0,)}
+SEEDS = {PROFILES["pr"]: (0, 1, 2)}
 
 
 def seed_schedule(profile: settings) -> tuple[int, ...]:
