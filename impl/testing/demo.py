@@ -232,7 +232,12 @@ def warm_up(llm, requests: int, max_tokens: int) -> None:
     leave them out. Two rounds of a workload of the same shape whose prompts share nothing with the measured one:
     with the connector, the first stores and the second loads."""
     print("  warm-up:", file=sys.stderr, flush=True)
-    run_rounds(llm, workload(requests, seed=1), rounds=2, max_tokens=max_tokens)
+    run_rounds(llm, workload(requests, seed=1, block_size=block_size(llm)), rounds=2, max_tokens=max_tokens)
+
+
+def block_size(llm) -> int:
+    """The engine's block size (a model with recurrent state gets the one vLLM aligns its groups to)."""
+    return llm.llm_engine.vllm_config.cache_config.block_size
 
 
 def measure(llm, prompts: list[list[int]], rounds: int, max_tokens: int) -> Run:
@@ -313,9 +318,11 @@ def render(summary: Summary, title: str) -> str:
     return "\n".join(lines)
 
 
-# --model: how to build it, what the title calls it, GPU blocks (a hybrid model's two groups draw on one pool)
+# --model: how to build it, what the title calls it, GPU blocks (a hybrid model's groups draw on one pool)
 MODELS = {"llama": (build_tiny_llama, "tiny Llama", 48),
-          "gemma3": (build_tiny_gemma3, "tiny Gemma-3 (hybrid: 2 KV cache groups)", 96)}
+          "gemma3": (build_tiny_gemma3, "tiny Gemma-3 (hybrid: 2 KV cache groups)", 96),
+          "qwen3next": (build_tiny_qwen3_next, "tiny Qwen3-Next (hybrid: 3 gated-delta-net state groups, 1 attention "
+                                               "group)", 96)}
 
 
 def ttft_table(tokens: int, docs: int) -> tuple[str, bool]:
@@ -348,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tier-mib", type=int, default=64)
     parser.add_argument("--model", choices=MODELS, default="llama",
                         help="gemma3: a hybrid model (sliding-window and full-attention layers), which vLLM runs with "
-                             "its hybrid KV cache manager: two KV cache groups")
+                             "its hybrid KV cache manager: two KV cache groups; qwen3next: a hybrid linear-attention "
+                             "model (gated delta nets with recurrent state, and attention), in vLLM's align mode")
     parser.add_argument("--model-dir", type=Path, help="where the tiny model is built (default .cache/tiny-MODEL)")
     parser.add_argument("--ttft-tokens", type=int, default=2048,
                         help="document length of the time-to-first-token table (0: no table)")
@@ -362,16 +370,18 @@ def main(argv: list[str] | None = None) -> int:
     print("building the tiny model and the engine without the connector...", file=sys.stderr, flush=True)
     build, name, num_gpu_blocks = MODELS[args.model]
     model = build(args.model_dir or Path(f".cache/tiny-{args.model}"))
-    prompts = workload(args.requests, seed=0)
-    llm = make_llm(model, num_gpu_blocks=num_gpu_blocks, log_stats=True)
+    max_model_len = 4096 if has_state(model) else 1024  # documents of several blocks (256 tokens with state)
+    llm = make_llm(model, num_gpu_blocks=num_gpu_blocks, log_stats=True, max_model_len=max_model_len)
+    size = block_size(llm)
+    prompts = workload(args.requests, seed=0, block_size=size)
     warm_up(llm, args.requests, args.max_tokens)
     without = measure(llm, prompts, args.rounds, args.max_tokens)
     del llm
     gc.collect()
     print("the same workload with the offloading connector...", file=sys.stderr, flush=True)
-    llm = make_llm(model, connector_config(tier_bytes=args.tier_mib << 20, offload_block_size=BLOCK_SIZE,
+    llm = make_llm(model, connector_config(tier_bytes=args.tier_mib << 20, offload_block_size=size,
                                            verify=True),  # the spec checks every step beside the connector
-                   num_gpu_blocks=num_gpu_blocks, log_stats=True)
+                   num_gpu_blocks=num_gpu_blocks, log_stats=True, max_model_len=max_model_len)
     warm_up(llm, args.requests, args.max_tokens)
     before = scheduler_connector(llm).stats()
     with_ = measure(llm, prompts, args.rounds, args.max_tokens)

@@ -150,8 +150,37 @@ def test_a_group_of_another_kind_is_one_clear_error(model):
                                         attention_chunk_size=64)
     kv_cache_config.kv_cache_groups[1] = replace(kv_cache_config.kv_cache_groups[1], kv_cache_spec=chunked)
     with pytest.raises(ConfigError, match="KV cache group 1 is ChunkedLocalAttentionSpec: KVOffloadConnector handles "
-                                          "full-attention and sliding-window groups only"):
+                                          "full-attention, sliding-window and Mamba groups only"):
         config_from_vllm(vllm_config, kv_cache_config)
+
+
+STATE = Group(state=True)
+
+
+def test_a_models_recurrent_state_is_read_as_a_state_group(model):
+    assert hybrid_config_for(model, (STATE, Group())).groups == (Group(block_size=BLOCK_SIZE, state=True),
+                                                                  Group(block_size=BLOCK_SIZE))
+
+
+def test_mamba_state_outside_align_mode_is_one_clear_error(model):
+    vllm_config, kv_cache_config = make_configs(model, 32, CONNECTOR, MODULE, {}, groups=(STATE, Group()))
+    group = kv_cache_config.kv_cache_groups[0]
+    kv_cache_config.kv_cache_groups[0] = replace(group, kv_cache_spec=replace(group.kv_cache_spec,
+                                                                              mamba_cache_mode="all"))
+    with pytest.raises(ConfigError, match="KV cache group 0 holds Mamba state in mamba_cache_mode='all': "
+                                          "KVOffloadConnector offloads it in 'align' mode only"):
+        config_from_vllm(vllm_config, kv_cache_config)
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(num_spec_tokens=2), "speculative decoding with a model with recurrent state"),
+    (dict(extra={"shared_tier": {"backend": "fs", "path": "/tmp/kvoffload-never-written", "bytes": 1 << 20}}),
+     "the shared tier does not take a model with recurrent state"),
+])
+def test_what_a_model_with_state_cannot_run_yet_is_one_clear_error(model, setting, message):
+    extra = setting.pop("extra", {})
+    with pytest.raises(ConfigError, match=message):
+        config_from_vllm(*make_configs(model, 32, CONNECTOR, MODULE, extra, groups=(STATE, Group()), **setting))
 
 
 def test_hashes_finer_than_every_groups_blocks_are_one_clear_error(model):
