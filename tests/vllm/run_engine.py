@@ -35,8 +35,7 @@ if __name__ == "__main__":
         config = KVTransferConfig(kv_connector=cls, kv_role="kv_both", kv_connector_module_path=module,
                                   kv_connector_extra_config=json.loads(args.extra), kv_load_failure_policy="recompute")
     # a model with recurrent state gets vLLM's aligned blocks (256 tokens), and documents of several of them
-    # eager: the tests' engines compile nothing (a start 3.6 s shorter); the demo and the benchmarks compile
-    llm = make_llm(args.model, config, num_gpu_blocks=args.gpu_blocks, kv_events=args.kv_events, eager=True,
+    llm = make_llm(args.model, config, num_gpu_blocks=args.gpu_blocks, kv_events=args.kv_events,
                    max_model_len=4096 if has_state(args.model) else 1024)
     prompts = workload(12, seed=1, block_size=llm.llm_engine.vllm_config.cache_config.block_size)
     if args.max_file_bytes:  # once the engine is built (it writes its compile caches at start-up)

@@ -53,7 +53,7 @@ if __name__ == "__main__":
         config = KVTransferConfig(kv_connector="KVOffloadConnector", kv_role="kv_both",
                                   kv_connector_module_path="kvoffload.impl.vllm",
                                   kv_connector_extra_config=json.loads(args.extra), kv_load_failure_policy="recompute")
-    llm = make_llm(args.model, config, lora=args.lora, tensor_parallel=args.tp, eager=True)  # as run_engine.py
+    llm = make_llm(args.model, config, lora=args.lora, tensor_parallel=args.tp)
     prompts = workload(8, seed=1)
     results = []
     for action, *arg in json.loads(args.actions):

@@ -25,7 +25,7 @@ RESET_AFTER_GENERATE = textwrap.dedent("""
     from kvoffload.impl.testing.ttft import first_token
 
     connector = connector_config(tier_bytes=32 << 20, offload_block_size=32) if sys.argv[2] == "with" else None
-    llm = make_llm(build_tiny_llama(Path(sys.argv[1])), connector, eager=True)  # as run_engine.py
+    llm = make_llm(build_tiny_llama(Path(sys.argv[1])), connector)
     prompt = list(range(100, 230))  # four full blocks, stored
     _, token = first_token(llm, prompt)
     at_once = llm.reset_prefix_cache()  # right after generate(), as vLLM answers it
