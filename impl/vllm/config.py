@@ -161,8 +161,9 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
     shared = SharedTierConfig.parse(extra["shared_tier"]) if "shared_tier" in extra else None
     vllm_groups = kv_cache_config.kv_cache_groups
     groups = tuple(group_of(g.kv_cache_spec, i) for i, g in enumerate(vllm_groups))
-    if any(group.state for group in groups):
-        refuse_what_state_lacks(vllm_config, shared)
+    if any(group.state for group in groups) and vllm_config.speculative_config is not None:
+        raise ConfigError("speculative decoding with a model with recurrent state (Mamba, gated delta nets) is not "
+                          "supported yet: a rejected draft rolls a state back, which the spec does not model yet")
     block_size = hash_block_size(vllm_config, kv_cache_config)
     offload = extra.get("offload_block_size", block_size)
     if offload % block_size:
@@ -185,17 +186,6 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
                   store_threshold=extra.get("store_threshold", 1),
                   offers_remembered=extra.get("offers_remembered", Config().offers_remembered),
                   store_prompts_only=extra.get("store_prompts_only", False))
-
-
-def refuse_what_state_lacks(vllm_config: Any, shared: SharedTierConfig | None) -> None:
-    """What the spec does not model yet for a model with recurrent state, refused at start-up rather than run
-    unchecked (``Config`` refuses the rest: an offload block of several blocks)."""
-    if vllm_config.speculative_config is not None:
-        raise ConfigError("speculative decoding with a model with recurrent state (Mamba, gated delta nets) is not "
-                          "supported yet: a rejected draft rolls a state back, which the spec does not model yet")
-    if shared is not None:
-        raise ConfigError("the shared tier does not take a model with recurrent state (Mamba, gated delta nets) "
-                          "yet: use the CPU tier alone (no shared_tier)")
 
 
 def hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:

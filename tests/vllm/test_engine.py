@@ -146,13 +146,18 @@ def qwen3_next(tmp_path_factory) -> Path:
     return build_tiny_qwen3_next(tmp_path_factory.mktemp("model") / "tiny-qwen3-next")
 
 
-def test_a_model_with_recurrent_state_offloads_its_state(qwen3_next):
+@pytest.fixture(scope="module")
+def qwen3_next_alone(qwen3_next) -> dict:
+    return run_engine(qwen3_next, gpu_blocks=64)
+
+
+def test_a_model_with_recurrent_state_offloads_its_state(qwen3_next, qwen3_next_alone):
     """A hybrid linear-attention model (Qwen3-Next style: three gated-delta-net layers, one full-attention layer)
     on vLLM's CPU engine in align mode: four KV cache groups. Outputs are identical to vLLM alone, and every
     document asked again after the engine's prefix cache is reset resumes from the tier: the attention blocks and,
     in each state group, the one block with the state at the hit's end. The shadow monitor (the spec beside the
     connector, both against vLLM's own block tables) agrees at every step."""
-    alone = run_engine(qwen3_next, gpu_blocks=64)
+    alone = qwen3_next_alone
     assert alone["kv_cache_groups"] == ["MambaSpec"] * 3 + ["FullAttentionSpec"]
     run = run_engine(qwen3_next, "tests.vllm.connectors:RecordingEventsConnector", kv_events=True, gpu_blocks=64,
                      tier_bytes=64 << 20, verify=True)
@@ -161,3 +166,16 @@ def test_a_model_with_recurrent_state_offloads_its_state(qwen3_next):
     assert run["stats"]["hit_tokens"] > 0 and run["stats"]["shadow"].startswith("ok:"), run["stats"]
     stored = {group for kind, _medium, group in run["events"] if kind == "BlockStored"}
     assert stored == {0, 1, 2, 3}  # every state group's blocks were stored, and the attention group's
+
+
+def test_engines_of_a_model_with_recurrent_state_share_it_through_the_shared_tier(qwen3_next, qwen3_next_alone,
+                                                                                  tmp_path):
+    """Two engines of the tiny Qwen3-Next, one after the other, on one shared-tier directory: the second gets every
+    block the first put (the states with the attention KV), and both give vLLM's outputs."""
+    shared = {"backend": "fs", "path": str(tmp_path), "bytes": 1 << 30}
+    first, second = (run_engine(qwen3_next, CONNECTOR, gpu_blocks=64, rounds=1, tier_bytes=64 << 20,
+                                shared_tier=shared) for _ in range(2))
+    assert first["outputs"] == second["outputs"] == qwen3_next_alone["outputs"][:len(first["outputs"])]
+    assert first["stats"]["shared_put_blocks"] > 0 and second["stats"]["shared_stored"] == 0
+    assert second["stats"]["shared_got_blocks"] == first["stats"]["shared_put_blocks"]
+    assert second["stats"]["hit_tokens"] > 0 and second["stats"]["shared_quarantined"] == 0
