@@ -10,9 +10,12 @@ recompute's, and every prefix-cache reset against vLLM's answer. Last line, at `
 ttft_putting_vs_recompute=…``.
 Goals at 2048 tokens: a CPU-tier hit ≤ 0.05 × recompute and ≤ 1.1 × the engine's own hit; a shared-tier hit
 ≤ 0.2 × recompute. With ``--redis``, the shared tier on a Redis server (a real redis-server on a loopback port) as
-well: ``ttft_redis_vs_recompute=… ttft_redis_vs_tier=…`` join the last line.
+well: ``ttft_redis_vs_recompute=… ttft_redis_vs_tier=…`` join the last line. With ``--hybrid``, a hybrid
+linear-attention model of the same size (Qwen3-Next style: gated delta nets with recurrent state, and attention) at
+``--hybrid-lengths`` (multiples of its 256-token blocks), recompute, its own hit and a CPU-tier hit taking turns as
+above: ``ttft_hybrid_tier_vs_recompute=… ttft_hybrid_tier_vs_gpu_hit=…`` (at the longest) join the last line.
 
-    python bench/ttft.py [--lengths 512 1024 2048 4096] [--docs 4] [--at 2048] [--redis]
+    python bench/ttft.py [--lengths 512 1024 2048 4096] [--docs 4] [--at 2048] [--redis] [--hybrid]
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvoffload.impl.testing.ttft import REDIS_WAYS, build_prefill_llama, medians, mismatches, paired, run_ways
+from kvoffload.impl.testing.ttft import (REDIS_WAYS, build_prefill_llama, build_prefill_qwen3_next, medians,
+                                         mismatches, paired, run_ways)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,9 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--at", type=int, default=2048, help="the length the last line reports")
     parser.add_argument("--model-dir", type=Path, default=Path(".cache/prefill-llama"))
     parser.add_argument("--redis", action="store_true", help="a Redis hit too (needs redis-server)")
+    parser.add_argument("--hybrid", action="store_true", help="a hybrid linear-attention model's hits too")
+    parser.add_argument("--hybrid-lengths", type=int, nargs="+", default=[512, 1024, 2048],
+                        help="its document lengths (multiples of 256)")
     args = parser.parse_args(argv)
     if args.at not in args.lengths or any(n <= 0 or n % 32 for n in args.lengths):
         parser.error(f"--lengths must be positive multiples of 32 and include --at {args.at}")
+    if any(n <= 0 or n % 256 for n in args.hybrid_lengths):
+        parser.error("--hybrid-lengths must be positive multiples of 256 (the hybrid model's blocks)")
     model = build_prefill_llama(args.model_dir)
     with tempfile.TemporaryDirectory(prefix="kvoffload-ttft-") as directory:
         fs = {"backend": "fs", "path": directory, "bytes": 16 << 30}
@@ -75,13 +84,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"connector, Redis reader: {runs['redis']['stats']}")
         redis_figures = (f" ttft_redis_vs_recompute={ttft[f'redis_tier/{at}'] / ttft[f'recompute/{at}']:.3f}"
                          f" ttft_redis_vs_tier={ttft[f'redis_tier/{at}'] / ttft[f'cpu_tier/{at}']:.3f}")
+    hybrid_figures, hybrid_wrong = hybrid(args) if args.hybrid else ("", [])
     print(f"ttft_tier_vs_recompute={paired(runs, 'cpu_tier', 'recompute', at):.3f} "
           f"ttft_tier_vs_gpu_hit={paired(runs, 'cpu_tier', 'gpu_hit', at):.3f} "
           f"ttft_shared_vs_recompute={ttft[f'shared_tier/{at}'] / ttft[f'recompute/{at}']:.3f} "
           f"ttft_storing_vs_recompute={ttft[f'recompute_storing/{at}'] / ttft[f'recompute/{at}']:.3f} "
           f"ttft_putting_vs_recompute={ttft[f'recompute_putting/{at}'] / ttft[f'recompute/{at}']:.3f}"
-          + redis_figures)
-    return 1 if wrong else 0
+          + redis_figures + hybrid_figures)
+    return 1 if wrong or hybrid_wrong else 0
+
+
+def hybrid(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The hybrid model's table (recompute, its own hit and a CPU-tier hit, side by side), its last-line figures at
+    its longest length, and its hits whose first token differs from recompute's."""
+    model = build_prefill_qwen3_next(args.model_dir.with_name("prefill-qwen3-next"))
+    runs = run_ways(("none", "tier"), model, args.hybrid_lengths, args.docs)
+    ttft, wrong = medians(runs), mismatches(runs)
+    print(f"\nhybrid linear-attention model (6 gated-delta-net layers, 2 attention layers)\n{'tokens':>7} "
+          f"{'recompute':>10} {'gpu hit':>8} {'cpu tier':>9}   {'tier/recomp':>11} {'tier/gpu':>8}")
+    for n in args.hybrid_lengths:
+        print(f"{n:>7} " + " ".join(f"{ttft[f'{kind}/{n}'] * 1e3:>{w}.1f}" for kind, w in
+                                    (("recompute", 10), ("gpu_hit", 8), ("cpu_tier", 9)))
+              + f"   {paired(runs, 'cpu_tier', 'recompute', n):>11.3f} {paired(runs, 'cpu_tier', 'gpu_hit', n):>8.2f}")
+    print(f"first tokens identical to recompute: {'yes' if not wrong else 'NO: ' + '; '.join(wrong)}")
+    print(f"connector, hybrid CPU-tier engine: {runs['tier']['stats']}")
+    at = max(args.hybrid_lengths)
+    return (f" ttft_hybrid_tier_vs_recompute={paired(runs, 'cpu_tier', 'recompute', at):.3f}"
+            f" ttft_hybrid_tier_vs_gpu_hit={paired(runs, 'cpu_tier', 'gpu_hit', at):.3f}"), wrong
 
 
 if __name__ == "__main__":

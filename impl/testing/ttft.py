@@ -49,6 +49,22 @@ def build_prefill_llama(path: Path) -> Path:
     return save_once(path, llama)
 
 
+def build_prefill_qwen3_next(path: Path) -> Path:
+    """A random Qwen3-Next-style model as large as the prefill Llama (hidden 512, 8 layers: 6 gated-delta-net layers
+    with recurrent state, 2 full-attention layers; a small mixture of experts): a hybrid linear-attention model,
+    which vLLM's CPU engine runs in bf16 and align mode with 256-token blocks."""
+    def qwen3_next() -> Any:
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+        return Qwen3NextForCausalLM(Qwen3NextConfig(
+            vocab_size=PREFILL_LLAMA["vocab_size"], hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=64,
+            linear_value_head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+            max_position_embeddings=8192))
+    return save_once(path, qwen3_next)
+
+
 def documents(lengths: list[int], docs: int, seed: int) -> dict[int, list[list[int]]]:
     rnd = random.Random(seed)
     return {n: [[rnd.randrange(PREFILL_LLAMA["vocab_size"]) for _ in range(n)] for _ in range(docs)] for n in lengths}
@@ -78,7 +94,7 @@ def serve(way: str, model: Path, max_length: int, shared_tier: dict[str, Any] | 
     connector = None
     if way != "none":
         shared = {"shared_tier": shared_tier} if way not in ("none", "tier") else {}
-        connector = connector_config(tier_bytes=4 << 30, offload_block_size=BLOCK_SIZE, **shared)
+        connector = connector_config(tier_bytes=4 << 30, **shared)  # an offload block is one of the engine's blocks
     llm = make_llm(model, connector, num_gpu_blocks=blocks, max_model_len=max_len, memory_share=0.4)
 
     def handle(work: dict[str, Any]) -> dict[str, Any]:
