@@ -254,41 +254,41 @@ class LoadsNullBlocks(SpecConnector):
                                 for i in range(first, end))
 
 
-class HitsWithoutTheWindow(SpecConnector):
-    """A lookup that asks only the full-attention groups: it offers a prefix whose sliding-window blocks the tier
-    does not hold, so the request would resume without the KV its window reads."""
+class AsksSomeGroups(SpecConnector):
+    """A lookup that asks the tier about the groups ``asks`` keeps only (the bug of the two below)."""
+
+    def asks(self, group):
+        raise NotImplementedError
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         self.requests[request.req_id] = request
         if any(t.req_id == request.req_id for t in self.unfinished.values()):
             return 0, False
         per = self.config.offload_block_size
-        full = [g for g, group in enumerate(self.config.groups) if not group.window]  # the bug: only these
+        asked = [g for g, group in enumerate(self.config.groups) if self.asks(group)]
         start = num_computed_tokens // per
         keys = offload_keys(request.block_hashes, self.config.k, 0, (request.num_tokens - 1) // per)
         end = start
-        while end < len(keys) and all(self.tier.lookup([group_key(keys[end], g)]) for g in full):
+        while end < len(keys) and all(self.tier.lookup([group_key(keys[end], g)]) for g in asked):
             end += 1
         return (end * per - num_computed_tokens, True) if end > start else (0, False)
 
 
-class HitsWithoutTheState(SpecConnector):
+class HitsWithoutTheWindow(AsksSomeGroups):
+    """A lookup that asks only the full-attention groups: it offers a prefix whose sliding-window blocks the tier
+    does not hold, so the request would resume without the KV its window reads."""
+
+    def asks(self, group):
+        return not group.window
+
+
+class HitsWithoutTheState(AsksSomeGroups):
     """A lookup written before models had recurrent state: it asks only the attention groups, so a request would
     resume on the attention KV with whatever state its block held (vllm #50454: corrupted output from a hybrid
     model behind a connector)."""
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        self.requests[request.req_id] = request
-        if any(t.req_id == request.req_id for t in self.unfinished.values()):
-            return 0, False
-        per = self.config.offload_block_size
-        attention = [g for g, group in enumerate(self.config.groups) if not group.state]  # the bug: only these
-        start = num_computed_tokens // per
-        keys = offload_keys(request.block_hashes, self.config.k, 0, (request.num_tokens - 1) // per)
-        end = start
-        while end < len(keys) and all(self.tier.lookup([group_key(keys[end], g)]) for g in attention):
-            end += 1
-        return (end * per - num_computed_tokens, True) if end > start else (0, False)
+    def asks(self, group):
+        return not group.state
 
 
 class StoresTheStateLikeAttention(SpecConnector):
