@@ -1,12 +1,13 @@
 """Every copy strategy, forced on CPU tensors, moves exactly the bytes a plain row-by-row copy moves: in every KV
-layout, for 2- 4- and 1-byte dtypes, in both directions, for runs, scattered ids, reversed ids and single blocks."""
+layout, for 2- 4- and 1-byte dtypes, in both directions, for runs, scattered ids, reversed ids and single blocks;
+and a Mamba layer's state, which fills part of each padded page, as vLLM lays it out on GPUs and on its CPU build."""
 
 import numpy as np
 import pytest
 import torch
 
 from kvoffload.impl.testing import SHAPES, LayeredKV
-from kvoffload.impl.transfer import STRATEGIES, Copier, HostPool
+from kvoffload.impl.transfer import STRATEGIES, Copier, HostPool, block_views
 from kvoffload.spec.config import ConfigError
 
 NUM_BLOCKS, ROWS = 12, 8
@@ -127,3 +128,45 @@ def test_unknown_strategy_is_a_config_error_naming_the_known_ones():
     kv = filled_kv("mla", torch.bfloat16)
     with pytest.raises(ConfigError, match="'dma'.*runs, indexed, staged"):
         Copier(kv.views, filled_pool(kv.views), strategy="dma")
+
+
+PAGE = 256  # bytes of one block's page, as vLLM pads a state page to the attention page
+
+
+def state_caches(layout: str) -> tuple[dict, torch.Tensor]:
+    """A Mamba layer's KV cache as vLLM hands it to a connector, over one raw allocation of padded pages, and that
+    allocation: on GPUs its conv and SSM state tensors (``gpu``), on the CPU build one int8 tensor (``cpu``), and in
+    a hybrid model beside an attention layer whose pages are the same bytes (``hybrid``)."""
+    raw = torch.randint(0, 256, (NUM_BLOCKS * PAGE,), dtype=torch.uint8)
+    words = raw.view(torch.float32)
+    conv = torch.as_strided(words, (NUM_BLOCKS, 3, 4), (PAGE // 4, 4, 1))  # 48 bytes at the page's start
+    ssm = torch.as_strided(words, (NUM_BLOCKS, 2, 8), (PAGE // 4, 8, 1), 12)  # 64 bytes after it
+    cpu = torch.as_strided(raw.view(torch.int8), (NUM_BLOCKS, 1, 1, 112), (PAGE, 112, 112, 1))
+    attention = raw.view(torch.bfloat16).view(NUM_BLOCKS, 2, 32, 2)
+    return {"gpu": {"layers.0.mixer": [conv, ssm]}, "cpu": {"layers.0.linear_attn": cpu},
+            "hybrid": {"layers.0.linear_attn": [conv, ssm], "layers.1.self_attn": attention}}[layout], raw
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("layout, widths", [("gpu", [48, 64]), ("cpu", [112]), ("hybrid", [PAGE])])
+def test_state_pages_move_their_state_bytes_and_leave_the_padding(layout, widths, strategy):
+    """A state tensor that fills part of each padded page is a strided region of its own bytes (dropped when an
+    attention layer's region holds the whole page); stores and loads move exactly what a plain copy moves, and a
+    load never writes the padding."""
+    caches, raw = state_caches(layout)
+    views = block_views(caches, "blocks_first")
+    assert [v.shape[1] for v in views] == widths
+    blocks, rows = PATTERNS["runs_and_gaps"]
+    pool, expected = filled_pool(views), filled_pool(views)
+    plain_store(views, expected.regions, blocks, rows)
+    planned(Copier(views, pool, strategy), "store", blocks, rows)()
+    assert torch.equal(pool.buffer, expected.buffer)
+    pages = raw.view(NUM_BLOCKS, PAGE)
+    padding = pages[:, sum(widths):].clone()
+    blocks, rows = PATTERNS["scattered"]  # the rows, back into other blocks
+    want = [view.clone() for view in views]
+    plain_load(want, pool.regions, blocks, rows)
+    assert not all(torch.equal(view, w) for view, w in zip(views, want))  # the check below can fail
+    planned(Copier(views, pool, strategy), "load", blocks, rows)()
+    assert all(torch.equal(view, w) for view, w in zip(views, want))
+    assert torch.equal(pages[:, sum(widths):], padding)  # the padding of every page is as it was
