@@ -111,9 +111,9 @@ FLEET_SCENARIOS = {
     "fleet2-hybrid-w4-full-delayed": Scenario(
         Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(4), Group()), prefix_caching=False), delay=1,
         engines=2, store=24, store_delay=1),
-    "fleet2-state-full-delayed": Scenario(  # a hybrid linear-attention model: states shared like KV
+    "fleet2-state-full-delayed": Scenario(  # a hybrid linear-attention model: states shared like KV, and restarts
         Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(state=True), Group())), delay=1, engines=2, store=24,
-        store_delay=1),
+        store_delay=1, restarts=True),
     "fleet2-threshold2-delayed": Scenario(  # records a get fetches are taken whatever admission says
         Config(num_gpu_blocks=14, tier_blocks=8, prefix_caching=False, store_threshold=2), delay=1, engines=2,
         store=24),

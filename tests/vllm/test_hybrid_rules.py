@@ -110,19 +110,29 @@ def aligned_schedulers(tmp_path_factory):
 def test_a_chunk_ends_where_vllm_ends_it_for_a_model_with_state(aligned_schedulers, key, prompt, outputs, data):
     """Prefill chunks of a model with recurrent state end where vLLM's scheduler ends them (``state_chunk``), from
     every start, for every chunk the budget allows, the prompt's own and a resumed request's outputs alike."""
+    scheduler, (size, budget) = aligned_schedulers[key], key
+    num_tokens = prompt + outputs
+    start = data.draw(st.one_of(st.integers(0, (num_tokens - 1) // size).map(lambda block: block * size),
+                                st.integers(0, num_tokens - 1)), label="start")  # on a boundary, or anywhere
+    n = data.draw(st.integers(1, min(budget, num_tokens - start)), label="n")
+    assert_chunk_is_vllms(scheduler, size, budget, prompt, outputs, start, n)
+
+
+def test_a_block_wider_than_the_budget_is_prefilled_in_pieces_as_vllm_does_shrunk_example(aligned_schedulers):
+    """Found by Hypothesis when the harness gave vLLM's cache another block size than the state group's: a
+    32-token block, a budget of 24, one prompt token and two outputs replayed as prefill."""
+    assert_chunk_is_vllms(aligned_schedulers[32, 24], 32, 24, prompt=1, outputs=2, start=0, n=1)
+
+
+def assert_chunk_is_vllms(scheduler, size: int, budget: int, prompt: int, outputs: int, start: int, n: int) -> None:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
     from kvoffload.spec.groups import state_chunk
 
-    scheduler, (size, budget) = aligned_schedulers[key], key
     assert scheduler.need_mamba_block_aligned_split and scheduler.block_size == size
     request = Request("r", list(range(prompt)), SamplingParams(max_tokens=100), None)
     request.append_output_token_ids(list(range(outputs)))
-    last = request.num_tokens - 1
-    start = data.draw(st.one_of(st.integers(0, last // size).map(lambda block: block * size),  # on a boundary
-                                st.integers(0, last)), label="start")
-    n = data.draw(st.integers(1, min(budget, request.num_tokens - start)), label="n")
     request.num_computed_tokens = start
     assert state_chunk(start, n, prompt, request.num_tokens, size, budget) == \
         scheduler._mamba_block_aligned_split(request, n)
