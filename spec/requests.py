@@ -68,11 +68,15 @@ class Request:
     num_placeholders: int = 0  # tokens sampled (or about to be) that the scheduler has not seen (vLLM's name)
     rollback: int = 0  # rejected drafts the scheduler has not rolled back yet (async scheduling)
     num_final_tokens: int = 0  # leading positions whose KV the true tokens wrote, for good
+    num_in_flight_tokens: int = 0  # scheduled, their step's output not delivered yet (async scheduling)
     tables: list[list[int]] = field(factory=lambda: [[]])  # a block table per KV cache group (NULL_BLOCK: freed)
     # blocks a sliding window freed from these tables -> (group, position): a store fenced before their reuse may
     # still read them (vLLM's connector does), until they are written again
     left_behind: dict[int, tuple[int, int]] = field(factory=dict)
     num_cached_tokens: int = 0  # leading tokens whose blocks are registered in the prefix cache, in every group
+    # leading tokens vLLM's block pool commits as it schedules them (the world's prefix cache takes them once
+    # computed): how far a model with recurrent state has handed its state blocks to the connector
+    num_committed_tokens: int = 0
     load_target: int = 0  # tokens computed once the pending load lands
     looked_up: bool = False  # the connector has seen this request
     resumed: bool = False  # preempted since it last ran

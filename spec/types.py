@@ -113,6 +113,10 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]  # in scheduling order: running first, then admitted
     preempted_req_ids: frozenset[str]
     finished_req_ids: frozenset[str]  # finished or aborted since the previous step
+    # A model with recurrent state: each state block vLLM commits to its prefix cache this step, handed over by id
+    # as (request, group, block, tokens the state follows), because a connector cannot find it by position once the
+    # next chunk frees it (vLLM's ``boundary_state_offloads``). Our connectors store states by position and ignore it.
+    state_handoffs: tuple[tuple[str, int, int, int], ...] = ()
 
 
 @define

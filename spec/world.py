@@ -64,6 +64,7 @@ class StepOutput:
     samples: list[tuple[Request, int, int]]  # (request, tokens sampled, drafts rejected)
     workers: WorkerOutput
     load_errors: set[int]
+    scheduled: list[tuple[Request, int]]  # (request, tokens scheduled): no longer in flight once delivered
 
     def __bool__(self) -> bool:
         return bool(self.samples or self.workers != WorkerOutput() or self.load_errors)
@@ -101,6 +102,9 @@ class World:
     running: list[Request] = field(factory=list)
     finished_since_step: set[str] = field(factory=set)
     preempted_since_step: set[str] = field(factory=set)
+    state_handoffs: list[tuple[str, int, int, int]] = field(factory=list)  # committed since the last step
+    # state blocks committed since the last forward pass, not computed yet: no admission may start from one
+    committed_states: set[int] = field(factory=set)
     open_jobs: dict[int, Job] = field(factory=dict)  # submitted, and not yet reported by every worker
     reports: Counter[int] = field(factory=Counter)  # job id -> reports delivered to the scheduler side
     failed_jobs: set[int] = field(factory=set)  # jobs some worker reported as failed
@@ -302,11 +306,13 @@ class World:
         if not self.fenced:
             invariants.src(self)
         invariants.content(self)  # what the forward pass attends to: checked each step, not only between rules
+        scheduled = [(self.requests[s.req_id], s.num_scheduled_tokens) for s in out.scheduled]
         samples = self._forward(out)
+        self.committed_states.clear()
         for worker in self.workers:  # after the forward launch: every load the world knows is asynchronous
             worker.start_load_kv(meta)
             worker.wait_for_save(meta)
-        output: StepOutput | None = StepOutput(samples, *self._worker_output(out))
+        output: StepOutput | None = StepOutput(samples, *self._worker_output(out), scheduled)
         if self.config.async_scheduling:  # the engine schedules the next step before it applies this one
             output, self.undelivered = self.undelivered, output
         if output is not None:
@@ -352,7 +358,8 @@ class World:
             self._admit(scheduled, budget)
         finished, self.finished_since_step = frozenset(self.finished_since_step), set()
         preempted, self.preempted_since_step = frozenset(self.preempted_since_step), set()
-        return SchedulerOutput(self.step_no, tuple(scheduled), preempted, finished)
+        handoffs, self.state_handoffs = tuple(self.state_handoffs), []
+        return SchedulerOutput(self.step_no, tuple(scheduled), preempted, finished, handoffs)
 
     def _drafts(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens to verify after a decode token, within the budget and the request's max_tokens."""
@@ -373,7 +380,31 @@ class World:
         if req.num_computed_tokens < known <= req.num_computed_tokens + n:
             req.num_placeholders += req.num_computed_tokens + n - known + 1  # the drafts and the sampled token
         req.num_computed_tokens += n
+        req.num_in_flight_tokens += n
+        self._commit(req, min(req.num_computed_tokens, req.num_tokens))  # drafts and placeholders are not committed
         return s
+
+    def _commit(self, req: Request, num_tokens: int) -> None:
+        """vLLM's block pool commits a request's full blocks as it schedules them, or once its load lands. The world
+        caches attention blocks once computed (``_cache_full_blocks``); a state block enters the prefix cache here,
+        and is handed to the connector by id (``state_handoffs``), the null blocks a chunk passed are not (vLLM's
+        ``MambaManager.cache_blocks``). Until the forward pass computes it, no admission starts from it."""
+        if not self.aligned:
+            return
+        unit = lcm(*self.block_sizes)
+        full = min(num_tokens, len(req.block_hashes) * self.config.block_size) // unit * unit
+        for g, (table, size, group) in enumerate(zip(req.tables, self.block_sizes, self.groups)):
+            for i in range(req.num_committed_tokens // size, full // size) if group.state else ():
+                if table[i] != NULL_BLOCK:
+                    self.pool.cache(table[i], self.block_hash(req.block_hashes, i, g))
+                    self.committed_states.add(table[i])
+                    self.state_handoffs.append((req.req_id, g, table[i], (i + 1) * size))
+        req.num_committed_tokens = max(req.num_committed_tokens, full)
+
+    def _forget_handoffs(self, req: Request) -> None:
+        """A request's blocks go back to the pool: its hand-offs not yet in a scheduler output are dropped, as
+        vLLM drops them (a block may be another request's by the next step)."""
+        self.state_handoffs = [handoff for handoff in self.state_handoffs if handoff[0] != req.req_id]
 
     def _admit(self, scheduled: list[ScheduledRequest], budget: int) -> None:
         for req in list(self.waiting):
@@ -423,6 +454,8 @@ class World:
                                                                    min(req.num_tokens - num_local, budget))
         if not first_step:  # no budget for a block-aligned chunk: vLLM admits no more this step (``break``)
             return False
+        if any(table and table[-1] in self.committed_states for table in hit):  # its state is not computed yet:
+            return False  # vLLM reports no room (``MambaManager.get_num_blocks_to_allocate``) and admits no more
         held = [b for table in hit for b in table if b != NULL_BLOCK]
         self.pool.take(held)
         req.tables, req.left_behind = [list(table) for table in hit], {}
@@ -433,7 +466,7 @@ class World:
             self.pool.release(held)
             req.tables = [[] for _ in self.groups]
             return False
-        req.num_computed_tokens = req.num_final_tokens = req.num_cached_tokens = num_local
+        req.num_computed_tokens = req.num_final_tokens = req.num_cached_tokens = req.num_committed_tokens = num_local
         self.stats["engine_hit_blocks"] += len(held)
         self._allocated(req, num_external)
         if num_external:
@@ -469,9 +502,11 @@ class World:
         """A sliding window's blocks that no position still to compute reads go back to the pool, NULL_BLOCK in
         their place (vLLM's ``remove_skipped_blocks``). Nothing tells the connector: a store still reading one
         must be done before the block is written again (the connector can tell from the window and the computed
-        tokens which blocks these may be, and flushes its stores of them)."""
+        tokens which blocks these may be, and flushes its stores of them). Under async scheduling the step in flight
+        may still read below its window, and its drafts may be rejected: only the tokens of delivered steps count."""
+        processed = max(req.num_computed_tokens - req.num_in_flight_tokens, 0)
         for g, (table, group) in enumerate(zip(req.tables, self.groups)):
-            for i in range(min(group.skipped_blocks(req.num_final_tokens, self.block_sizes[g]), len(table))):
+            for i in range(min(group.skipped_blocks(processed, self.block_sizes[g]), len(table))):
                 if table[i] != NULL_BLOCK:
                     invariants.not_in_flight(self, table[i], "freed by the sliding window", ("load",))
                     self.pool.release([table[i]])
@@ -496,6 +531,8 @@ class World:
         self.pool.release(req.blocks)  # in-flight stores are flushed by the workers before the forward pass
         req.tables = [[] for _ in self.groups]
         req.num_computed_tokens, req.num_cached_tokens, req.num_final_tokens = 0, 0, 0
+        req.num_committed_tokens = 0
+        self._forget_handoffs(req)
         req.num_placeholders = req.rollback = 0
         req.state, req.resumed = State.PREEMPTED, True
         self.waiting.appendleft(req)
@@ -586,6 +623,8 @@ class World:
             self.got -= keys
 
     def _deliver(self, output: StepOutput) -> None:
+        for req, n in output.scheduled:
+            req.num_in_flight_tokens -= n
         self.connector.update_connector_output(output.workers)
         self._count_reports(output.workers.job_results)
         self._apply_worker_output(output.workers, output.load_errors)
@@ -656,8 +695,10 @@ class World:
         req.state = State.WAITING
         if done == 0:  # nothing valid: vLLM frees the blocks without telling the connector, and allocates anew
             self.pool.release(req.blocks)
-            req.tables, req.num_cached_tokens = [[] for _ in self.groups], 0
+            req.tables, req.num_cached_tokens, req.num_committed_tokens = [[] for _ in self.groups], 0, 0
+            self._forget_handoffs(req)
             return
+        self._commit(req, done)
         self._cache_full_blocks(req)
         req.num_computed_tokens = min(done, req.num_tokens - 1)  # a whole-prompt hit recomputes the last token
 
@@ -688,6 +729,7 @@ class World:
         req.state = state
         del self.requests[req.req_id]
         self.finished_since_step.add(req.req_id)  # if preempted since the last step, it is reported as both
+        self._forget_handoffs(req)
         self.stats["finished"] += 1
         self._free_outside_windows(req)  # vLLM's _connector_finished frees them before request_finished
         delay = False

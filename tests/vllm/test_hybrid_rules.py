@@ -1,10 +1,11 @@
 """The spec's rules for hybrid models (``kvoffload.spec.groups``) against vLLM's own KV cache coordinator: the
 blocks a sliding window or a recurrent state frees, and the longest prefix hit every group can supply, on random
 cached sets, with groups of one block size or of several (vLLM hashes per their greatest common divisor, and a hit
-ends on a block boundary of every group)."""
+ends on a block boundary of every group); and step by step, vLLM's real Scheduler and the world on the same requests:
+what each schedules, holds and hands over of a model with recurrent state."""
 
 from math import gcd, lcm
-
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -138,11 +139,14 @@ def assert_chunk_is_vllms(scheduler, size: int, budget: int, prompt: int, output
         scheduler._mamba_block_aligned_split(request, n)
 
 
-def test_a_state_group_holds_the_blocks_vllm_holds(tmp_path):
-    """Step by step, the world's state group holds a block where vLLM's ``MambaManager`` holds one and the null
-    block where it holds its null block: one block per chunk, none where a chunk passed, the one before the last
-    freed once the next chunk is computed; a prefix hit holds its last state only. vLLM's real Scheduler (no
-    connector) and the world run the same requests: a prompt, then ones that share its first four and two blocks."""
+def side_by_side(tmp_path: Path, groups: tuple[Group, ...], budget: int, batches: list[list[list[int]]],
+                 async_scheduling: bool = False) -> dict[str, int]:
+    """vLLM's real Scheduler (no connector) and the world run the same requests, a batch added once the one before
+    it finished, each step's output reaching both at once (or one step late: async scheduling, ``AsyncScheduler``).
+    After each step, both scheduled the same tokens of each request, handed the connector the same state blocks by
+    id (vLLM's ``boundary_state_offloads``: same request, group and position, each block at that position of its
+    request's table), and hold a block where the other holds one and the null block where it holds its null
+    block, in every group. What was compared, counted."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -154,35 +158,76 @@ def test_a_state_group_holds_the_blocks_vllm_holds(tmp_path):
     from kvoffload.spec import Config, ListKV, SpecConnector, World
     from kvoffload.spec.executor import Executor
 
-    size, budget, groups = 16, 40, (STATE, Group())  # chunks of two blocks: one state each
+    size = 16
     real = make_scheduler(build_tiny_llama(tmp_path / "tiny-llama"), 64, None, None, {},
-                          max_num_batched_tokens=budget, max_num_seqs=8,
-                          groups=tuple(Group(block_size=size, state=g.state) for g in groups))
+                          max_num_batched_tokens=budget, max_num_seqs=8, async_scheduling=async_scheduling,
+                          groups=tuple(Group(block_size=size, state=g.state, window=g.window) for g in groups))
     config = Config(num_gpu_blocks=64, block_size=size, offload_block_size=size, tier_blocks=2, token_budget=budget,
-                    groups=groups)
-    world = World(config, SpecConnector(config), ListKV(64), Executor(0), grouped=True)
-    first = [i % 3 for i in range(70)]
-    prompts = [first, first[:64] + [2] * 30, first[:32] + [1] * 20]  # hits on the states at 64 and at 32
+                    groups=groups, async_scheduling=async_scheduling)
+    world = World(config, SpecConnector(config), ListKV(64), Executor(0), grouped=len(groups) > 1)
     init_none_hash(sha256)
-    hasher, compared = get_request_block_hasher(size, sha256), 0
-    for r, prompt in enumerate(prompts):
-        real.add_request(Request(f"v{r}", prompt, SamplingParams(max_tokens=36), None, block_hasher=hasher))
-        world.add_request(prompt, max_tokens=36)
+    hasher, counts = get_request_block_hasher(size, sha256), {"steps": 0, "handed_off": 0}
+    managers = real.kv_cache_manager.coordinator.single_type_managers
+    drained: list[dict] = []
+    take = real.kv_cache_manager.take_boundary_state_offloads
+    real.kv_cache_manager.take_boundary_state_offloads = lambda: drained.append(take()) or drained[-1]
+    for batch in batches:
+        for prompt in batch:
+            real.add_request(Request(f"v{len(world.requests)}", prompt, SamplingParams(max_tokens=36), None,
+                                     block_hasher=hasher))
+            world.add_request(prompt, max_tokens=36)
+        late: list = []  # the outputs the real scheduler has not had yet
         while real.requests:
             out = real.schedule()
-            world.step()
-            for (req_id, request), ours in zip(real.requests.items(), world.requests.values()):
-                theirs = [b.block_id for b in real.kv_cache_manager.coordinator.single_type_managers[0]
-                          .req_to_blocks[req_id]]
-                assert [b == 0 for b in theirs] == [b == -1 for b in ours.tables[0]], \
-                    (req_id, request.num_computed_tokens, theirs, ours.tables[0])
-                compared += 1
             ids = [r.req_id for r in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
             sampled = [[5] if real.requests[i].num_computed_tokens >= real.requests[i].num_tokens else [] for i in ids]
-            real.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={i: n for n, i in
-                                                                                           enumerate(ids)},
-                                                           sampled_token_ids=sampled))
-    assert compared > 40 and world.stats["engine_hit_blocks"] > 0
+            late.append((out, ModelRunnerOutput(req_ids=ids, req_id_to_index={i: n for n, i in enumerate(ids)},
+                                                sampled_token_ids=sampled)))
+            order = {req_id: n for ids in (real.requests, world.requests) for n, req_id in enumerate(ids)}
+            ours = world.step()
+            assert sorted((order[i], n) for i, n in out.num_scheduled_tokens.items()) == \
+                sorted((order[s.req_id], s.num_scheduled_tokens) for s in ours.scheduled), ours
+            assert sorted((order[req_id], g, tokens) for req_id, entries in drained[-1].items()
+                          for g, _block, tokens in entries) == \
+                sorted((order[req_id], g, tokens) for req_id, g, _block, tokens in ours.state_handoffs), ours
+            for req_id, entries in drained[-1].items():
+                assert all(managers[g].req_to_blocks[req_id][tokens // size - 1].block_id == block
+                           for g, block, tokens in entries)
+            for req_id, g, block, tokens in ours.state_handoffs:
+                holder = world.requests.get(req_id) or world.delayed.get(req_id)  # it may have finished since
+                assert holder is None or holder.tables[g][tokens // size - 1] == block
+            counts["handed_off"] += len(ours.state_handoffs)
+            if len(late) > async_scheduling or not real.requests:
+                real.update_from_output(*late.pop(0))
+            for (req_id, request), req in zip(real.requests.items(), world.requests.values()):
+                for g, manager in enumerate(managers):
+                    theirs = [b.block_id for b in manager.req_to_blocks[req_id]]
+                    assert [b == 0 for b in theirs] == [b == -1 for b in req.tables[g]], \
+                        (req_id, g, request.num_computed_tokens, theirs, req.tables[g])
+            counts["steps"] += 1
+    return counts | {"engine_hit_blocks": world.stats["engine_hit_blocks"]}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_state_group_holds_the_blocks_vllm_holds(tmp_path, async_scheduling):
+    """One block per chunk, none where a chunk passed, the one before the last freed once the next chunk is
+    computed (``MambaManager``); a prefix hit holds its last state only. A sliding window's group beside it frees
+    what vLLM frees, when it frees it: under async scheduling, only below the tokens of steps delivered. A prompt,
+    then ones that share its first four and two blocks, each state handed over as its chunk is scheduled."""
+    first = [i % 3 for i in range(70)]
+    counts = side_by_side(tmp_path, (STATE, Group(), Group(window=20)), 40,  # chunks of two blocks: a state each
+                          [[first], [first[:64] + [2] * 30], [first[:32] + [1] * 20]], async_scheduling)
+    assert counts["steps"] > 40 and counts["handed_off"] > 10 and counts["engine_hit_blocks"] > 0
+
+
+def test_no_request_starts_from_a_state_not_computed_yet(tmp_path):
+    """A state enters vLLM's prefix cache as its chunk is scheduled, before the forward pass computes it; a request
+    admitted in that step whose hit ends there would read it unwritten, so vLLM admits no more requests that step
+    (``MambaManager.get_num_blocks_to_allocate``). The world without this admitted the second prompt on the first
+    one's state at 48 in the very step that computed it (caught by CONTENT); here it waits a step, as in vLLM."""
+    first = [i % 3 for i in range(48)]
+    counts = side_by_side(tmp_path, (STATE,), 64, [[first, first + [2] * 12, first[:32] + [1] * 20]])
+    assert counts["steps"] > 30 and counts["engine_hit_blocks"] > 0
 
 
 def test_the_identity_names_the_kind_of_state_and_its_dtypes(tmp_path):
