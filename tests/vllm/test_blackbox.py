@@ -88,6 +88,13 @@ HYBRID = {  # KV cache groups of full attention and sliding windows (tokens; 2-t
                                   delay=1),
     "k2-full@4-w3-no-prefix-cache": Scenario(Config(num_gpu_blocks=28, offload_block_size=4, tier_blocks=10,
                                                     groups=(Group(block_size=4), Group(3)), prefix_caching=False)),
+    # recurrent state in vLLM's align mode: vLLM's connector stores each state from the block the scheduler hands
+    # it by id (boundary_state_offloads), read by transfers that outlive the chunk after it
+    "state-full-delayed3": Scenario(Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(state=True), Group())),
+                                    delay=3),
+    "full-state-w4-async": Scenario(Config(num_gpu_blocks=28, tier_blocks=16, async_scheduling=True,
+                                           groups=(Group(), Group(state=True), Group(4))), delay=1),
+    "state-only-delayed": Scenario(Config(num_gpu_blocks=16, tier_blocks=6, groups=(Group(state=True),)), delay=2),
 }
 
 
@@ -123,6 +130,44 @@ def test_a_hit_that_ends_inside_a_block_leaves_the_window_its_null_blocks():
     machine.teardown()  # drains: the last request is admitted with a 7-token tier hit
     world = machine.subject
     assert world.stats["tier_hit_tokens"] == 7 and world.stats["blocks_loaded"] == 3
+
+
+def test_vllms_connector_is_offered_the_block_state_vllms_scheduler_offers():
+    """Beside each scheduler output, vLLM offers a connector every scheduled request's block tables and the state
+    blocks handed over by id (``KVConnectorBlockState``); the black box offers the world's, in vLLM's ids."""
+    machine = make_machine(vllm_offloading, HYBRID["state-full-delayed3"])()
+    box = machine.subject.connector
+    offered = []
+    build = box.connector.build_connector_meta
+    box.connector.build_connector_meta = lambda out: offered.append(out.kv_connector_block_state) or build(out)
+    machine.add_requests(batch=[([0, 1, 2, 0, 1, 2, 0, 1, 2, 0], 2)])
+    machine.step(n=1)
+    (state,) = offered
+    req = next(iter(machine.subject.requests.values()))
+    assert state.get_block_ids(req.req_id) == tuple([b + 1 for b in table] for table in req.tables)
+    assert state.boundary_state_offloads == {req.req_id: [(0, req.tables[0][-1] + 1, 8)]}  # the state at 8 tokens
+    assert state.get_block_ids("not-scheduled") is None
+    machine.teardown()
+
+
+def test_black_box_mode_catches_vllms_connector_filing_a_state_one_block_late(monkeypatch):
+    """vLLM's connector stores a model's recurrent state only from the blocks its scheduler hands over by id, each
+    with the tokens it follows. Planted bug: each state is filed under the next block's boundary, so a later hit
+    there loads the state of a shorter prefix (CONTENT: the world's content oracle keys a state by its whole prefix),
+    or, where the job also names the position it files the block for (0.33), that position is not the block's
+    (TRACK)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+
+    build = OffloadingConnectorScheduler._build_aligned_boundary_store_jobs
+
+    def one_block_late(self, handoffs):
+        size = self.config.kv_group_configs[0].tokens_per_block
+        return build(self, {req_id: [(g, block, tokens + size) for g, block, tokens in entries]
+                            for req_id, entries in handoffs.items()})
+
+    monkeypatch.setattr(OffloadingConnectorScheduler, "_build_aligned_boundary_store_jobs", one_block_late)
+    with pytest.raises(Violation, match="CONTENT|TRACK"):
+        run_conformance(vllm_offloading, HYBRID["state-full-delayed3"])
 
 
 class SwapsGroups(ChangedReader):

@@ -20,6 +20,9 @@ SCENARIOS = {  # the GPU prefix cache must be on: the connector turns itself off
                                      async_scheduling=True), delay=1),
     "async-spec2": Scenario(Config(num_gpu_blocks=16, tier_blocks=8, num_spec_tokens=2, async_scheduling=True),
                             delay=1),
+    # recurrent state: its stores take the state blocks the scheduler hands over by id
+    "state-full-delayed": Scenario(Config(num_gpu_blocks=24, tier_blocks=24, groups=(Group(state=True), Group())),
+                                   delay=2),
 }
 MODES = {"eager": vllm_simple_cpu_connector, "lazy": vllm_simple_cpu_lazy_past_known}
 

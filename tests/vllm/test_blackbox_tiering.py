@@ -25,6 +25,9 @@ SCENARIOS = {  # (scenario, steps each fs-tier I/O job takes); a CPU tier of few
     "k2-chunks-arc": (Scenario(Config(num_gpu_blocks=16, offload_block_size=4, tier_blocks=4, policy="arc")), 1),
     "w4-full-async": (Scenario(Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(4), Group()),
                                       async_scheduling=True), delay=1), 1),
+    # recurrent state: each state stored from the block handed over by id, and promoted back from its file
+    "state-full-delayed": (Scenario(Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(state=True), Group())),
+                                    delay=2), 1),
 }
 
 

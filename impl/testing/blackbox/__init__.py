@@ -89,8 +89,10 @@ class Release(Protocol):
     def blocks(self, vreq: Any, tables: list[list[int]], cached: list[list[Any]]) -> Any:
         """The ``KVCacheBlocks`` handed to ``update_state_after_alloc``, a table per KV cache group (the null
         block is 0): the first blocks of each carry their hash, ``cached[group]`` (the GPU prefix hit)."""
-    def scheduler_output(self, out: SchedulerOutput, vreqs: dict[str, Any]) -> Any:
-        """vLLM's ``SchedulerOutput`` for the world's (new, cached, resumed, preempted, finished requests)."""
+    def scheduler_output(self, out: SchedulerOutput, vreqs: dict[str, Any],
+                         resolve: Callable[[str], tuple[list[int], ...]]) -> Any:
+        """vLLM's ``SchedulerOutput`` for the world's (new, cached, resumed, preempted, finished requests, and the
+        state blocks handed over by id); ``resolve``: a request's block tables now, in vLLM's ids."""
     def connector_output(self, sending: set[str], recving: set[str], failed: set[str], worker_meta: Any) -> Any:
         """The ``KVConnectorOutput`` that ``update_connector_output`` receives (``failed``: loads failed whole)."""
     def resets(self, connector: Any) -> bool:
@@ -228,7 +230,8 @@ class BlackBox:
     def _scheduler_output(self, out: SchedulerOutput) -> Any:
         for s in out.scheduled:
             self._vllm(self.seen[s.req_id][0])
-        return self.vllm.scheduler_output(out, {req_id: vreq for req_id, (_req, vreq) in self.seen.items()})
+        return self.vllm.scheduler_output(out, {req_id: vreq for req_id, (_req, vreq) in self.seen.items()},
+                                          lambda req_id: tuple(self._vllm_tables(tuple(self.seen[req_id][0].tables))))
 
     # ---- scheduler side ----------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -87,7 +87,8 @@ class Release:
             block.block_hash = make_block_hash_with_group_id(block_hash, 0)
         return KVCacheBlocks((blocks,))
 
-    def scheduler_output(self, out: SchedulerOutput, vreqs: dict[str, Any]) -> Any:
+    def scheduler_output(self, out: SchedulerOutput, vreqs: dict[str, Any],
+                         resolve: Callable[[str], tuple[list[int], ...]]) -> Any:  # no hand-offs in 0.11
         new, cached = [], CachedRequestData.make_empty()
         for s in out.scheduled:
             vreq = vreqs[s.req_id]

@@ -15,7 +15,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import (KVCacheBlock, get_request_block_hasher, init_none_hash,
                                          make_block_hash_with_group_id)
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
+from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, NewRequestData
 from vllm.v1.core.sched.output import SchedulerOutput as VllmSchedulerOutput
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.outputs import KVConnectorOutput
@@ -98,7 +98,8 @@ class Release:
             groups.append(blocks)
         return KVCacheBlocks(tuple(groups))
 
-    def scheduler_output(self, out: SchedulerOutput, vreqs: dict[str, Any]) -> Any:
+    def scheduler_output(self, out: SchedulerOutput, vreqs: dict[str, Any],
+                         resolve: Callable[[str], tuple[list[int], ...]]) -> Any:
         new, cached = [], CachedRequestData.make_empty()
         for s in out.scheduled:
             vreq = vreqs[s.req_id]
@@ -124,7 +125,17 @@ class Release:
             total_num_scheduled_tokens=sum(s.num_scheduled_tokens for s in out.scheduled),
             scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, num_common_prefix_blocks=[0],
             finished_req_ids=set(out.finished_req_ids), free_encoder_mm_hashes=[],
-            preempted_req_ids=set(out.preempted_req_ids))
+            preempted_req_ids=set(out.preempted_req_ids), kv_connector_block_state=self.block_state(out, resolve))
+
+    @staticmethod
+    def block_state(out: SchedulerOutput, resolve: Callable[[str], tuple[list[int], ...]]) -> KVConnectorBlockState:
+        """What vLLM's scheduler offers a connector beside its output: the tables of the requests it scheduled or
+        hands state blocks of, and those state blocks by id (``boundary_state_offloads``)."""
+        handoffs: dict[str, list[tuple[int, int, int]]] = {}
+        for req_id, group, block, tokens in out.state_handoffs:
+            handoffs.setdefault(req_id, []).append((group, block + NULL_BLOCKS, tokens))
+        return KVConnectorBlockState(req_ids={s.req_id for s in out.scheduled} | set(handoffs),
+                                     resolve_block_ids=resolve, boundary_state_offloads=handoffs)
 
     def connector_output(self, sending: set[str], recving: set[str], failed: set[str], worker_meta: Any) -> Any:
         return KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None,
