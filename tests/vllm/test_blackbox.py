@@ -365,6 +365,21 @@ def test_the_hunt_runs_hybrid_models(tmp_path, capsys):
     assert all("groups=4,full: ok" in line for line in lines[:-1]) and len(lines) == 37
 
 
+def test_the_hunt_runs_the_configurations_a_model_with_state_can_run(tmp_path, capsys):
+    """``--groups state,full``: vLLM runs a model with recurrent state only with its prefix cache on, and the spec
+    only with one GPU block per chunk; the hunt says how many configurations it leaves out, and why, and runs the
+    rest (it stopped at the first before)."""
+    from kvoffload.impl.testing.blackbox.__main__ import main
+    assert main(["--profile", "pr", "--examples", "2", "--chunk-blocks", "1", "2", "--groups", "state,full",
+                 "--traces", str(tmp_path), "--past-known"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "36 configurations not run: a state group is Mamba state in vLLM's align mode, which is its " \
+                       "prefix cache for Mamba: prefix_caching must be on"
+    assert lines[1].startswith("18 configurations not run: a state group's offload block is one GPU block")
+    assert lines[-1] == "18 of 18 configurations passed"
+    assert all("groups=state,full: ok" in line for line in lines[2:-1]) and len(lines) == 21
+
+
 def test_a_store_of_a_block_the_window_just_freed_is_judged_where_the_window_freed_it():
     """Found by pr in the first hybrid black-box run: vLLM's connector stores a window's block the engine freed this
     very step (fenced until reuse), and the black box called it TRACK because the request's table holds the null

@@ -19,10 +19,11 @@ import gc
 import itertools
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from kvoffload.spec import Config, Violation
+from kvoffload.spec import Config, ConfigError, Group, Violation
 from kvoffload.spec.groups import parse_groups
 from kvoffload.spec.kit import Scenario, run_conformance
 
@@ -77,8 +78,17 @@ def main(argv: list[str] | None = None) -> int:
         policies = ("lru",)
     elif tiering and args.past_known and release().lru_starves:
         policies = ("arc",)
-    grid = list(itertools.product(args.groups, (1,) if simple else args.chunk_blocks, (0, 1, 3), tiers,
-                                  (True,) if simple else (True, False), policies))
+    grid: list[tuple[Config, int]] = []
+    refused: Counter[str] = Counter()  # why the model cannot run a configuration: how many
+    for groups, k, delay, tier, prefix_caching, policy in itertools.product(
+            args.groups, (1,) if simple else args.chunk_blocks, (0, 1, 3), tiers, (True,) if simple else (True, False),
+            policies):
+        try:
+            grid.append((_config(groups, k, tier, prefix_caching, policy), delay))
+        except ConfigError as error:  # a model with recurrent state needs the prefix cache, one GPU block a chunk
+            refused[str(error)] += 1
+    for reason, count in refused.items():
+        print(f"{count} configurations not run: {reason}")
     gc.freeze()  # what is alive now (vLLM, the kit) is never garbage: each configuration's collection skips it
     try:
         n, findings, first = _run(grid, factory, args, tiering)
@@ -100,9 +110,7 @@ def _run(grid: list, factory: Factory, args: argparse.Namespace,
     first finding (its shrink included)."""
     findings: dict[str, list[str]] = {}  # by kind: safety, liveness, connector error, ...
     began, first = time.perf_counter(), None  # first: seconds to the first finding (its shrink included)
-    for n, (groups, k, delay, tier, prefix_caching, policy) in enumerate(grid, 1):
-        config = Config(num_gpu_blocks=9 * (len(groups) + 1), offload_block_size=2 * k, tier_blocks=tier,
-                        prefix_caching=prefix_caching, policy=policy, groups=groups)  # groups share the GPU pool
+    for n, (config, delay) in enumerate(grid, 1):
         scenario = Scenario(config, delay=delay, failures=args.connector == "ours",
                             engines=3 if args.connector == "tiering-fleet" else 1, file_faults=tiering)
         start = time.perf_counter()
@@ -120,6 +128,11 @@ def _run(grid: list, factory: Factory, args: argparse.Namespace,
         if findings and args.first:
             break
     return n, findings, first
+
+
+def _config(groups: tuple[Group, ...], k: int, tier: int, prefix_caching: bool, policy: str) -> Config:
+    return Config(num_gpu_blocks=9 * (len(groups) + 1), offload_block_size=2 * k, tier_blocks=tier,
+                  prefix_caching=prefix_caching, policy=policy, groups=groups)  # groups share the GPU pool
 
 
 if __name__ == "__main__":
