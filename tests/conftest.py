@@ -1,5 +1,5 @@
 """Hypothesis profile for every test: $HYPOTHESIS_PROFILE (pr, nightly, mutation), default pr. Engines compile
-nothing ($KVOFFLOAD_EAGER). The Redis tier's server fixture."""
+nothing ($KVOFFLOAD_EAGER). The Redis tier's server fixture, and the Mooncake tier's pool."""
 
 import os
 
@@ -36,3 +36,24 @@ def redis_server():
 
     with RedisServer() as server:
         yield server
+
+
+def needs_mooncake() -> None:
+    """A test that needs a Mooncake master and client and cannot find them fails in CI, and skips elsewhere."""
+    from kvoffload.impl.testing.mooncake_master import missing
+
+    why = missing()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the Mooncake tier's tests: {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture
+def mooncake_pool():
+    """A real mooncake_master and one store node on loopback ports; stopped after the test."""
+    needs_mooncake()
+    from kvoffload.impl.testing.mooncake_master import MooncakeMaster
+
+    with MooncakeMaster() as master:
+        yield master

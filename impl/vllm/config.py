@@ -46,8 +46,8 @@ EXTRA_KEYS = set(EXTRA)
 OPTIONAL = object()
 Check = tuple[Callable[[object], bool], str, object]
 SHARED: dict[str, Check] = {
-    "backend": (lambda v: v in SHARED_BACKENDS, "'fs' (a directory; one host, or a shared filesystem) or 'redis' (a "
-                "Redis or Valkey server, or a Redis Cluster)", "fs"),
+    "backend": (lambda v: v in SHARED_BACKENDS, "'fs' (a directory; one host, or a shared filesystem), 'redis' (a "
+                "Redis or Valkey server, or a Redis Cluster) or 'mooncake' (a Mooncake Store pool)", "fs"),
     "lookup_deadline": (_positive_seconds, "a positive number of seconds (e.g. 0.1)", 0.1),
     "tenant": (_is_str, "a str: engines of other tenants never share a record", ""),
 }
@@ -69,6 +69,19 @@ SHARED_BACKENDS: dict[str, dict[str, Check]] = {
         "tls_ca_file": (_is_str, "a path to the CA certificates (with a rediss:// url)", OPTIONAL),
         "tls_cert_file": (_is_str, "a path to this client's certificate (with a rediss:// url)", OPTIONAL),
         "tls_key_file": (_is_str, "a path to this client's key (with a rediss:// url)", OPTIONAL),
+    },
+    "mooncake": {  # kvoffload.impl.tiers.mooncake.MooncakeSettings
+        "master": (lambda v: isinstance(v, str) and ":" in v, "the master's RPC address, host:port", None),
+        "metadata": (lambda v: isinstance(v, str) and "://" in v,
+                     "the metadata server: http://host:port/metadata (the master's own) or etcd://host:port", None),
+        "local_host": (_is_str, "this host's address as the pool's other hosts reach it", OPTIONAL),
+        "protocol": (lambda v: v in ("tcp", "rdma"), "'tcp' or 'rdma'", OPTIONAL),
+        "device": (_is_str, "the RDMA devices to use, e.g. 'mlx5_0' ('' over TCP)", OPTIONAL),
+        "segment_bytes": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                          "an int >= 0: host memory this engine lends the pool (0: store nodes hold it all)", OPTIONAL),
+        "buffer_bytes": (_positive_int, "a positive int: the client's own transfer buffer", OPTIONAL),
+        "timeout": (_positive_seconds, "a positive number of seconds any call may take", OPTIONAL),
+        "lease": (_positive_seconds, "the master's default_kv_lease_ttl, in seconds", OPTIONAL),
     },
 }
 
@@ -110,13 +123,18 @@ class SharedTierConfig:
 
         return RedisSettings(**self.options)
 
+    def _mooncake(self) -> Any:
+        from ..tiers.mooncake import MooncakeSettings  # its client is needed only by those who use it
+
+        return MooncakeSettings(**self.options)
+
     def check(self) -> None:
         """At start-up: a server that refuses us is a clear error now, not a miss at every lookup."""
-        if self.backend == "redis":
+        if self.backend in ("redis", "mooncake"):
             from ..tiers import TierError
 
             try:
-                self._redis().check()
+                (self._redis() if self.backend == "redis" else self._mooncake()).check()
             except TierError as error:
                 raise ConfigError(f"kv_connector_extra_config {error}") from None
 
@@ -125,6 +143,10 @@ class SharedTierConfig:
             from ..tiers.redis import RedisTier
 
             return RedisTier(self._redis(), namespace, payload)
+        if self.backend == "mooncake":
+            from ..tiers.mooncake import MooncakeTier
+
+            return MooncakeTier(self._mooncake(), namespace, payload)
         return FileTier(self.options["path"], namespace, payload)
 
 

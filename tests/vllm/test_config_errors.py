@@ -101,6 +101,14 @@ def test_good_values_are_read(model):
      "unknown kv_connector_extra_config shared_tier keys ['path']; known: ['backend', 'cluster', 'lookup_deadline', "
      "'password', 'password_env', 'tenant', 'timeout', 'tls_ca_file', 'tls_cert_file', 'tls_key_file', 'ttl', 'url', "
      "'username'] (backend 'redis')"),
+    (dict(shared_tier={"backend": "mooncake", "metadata": "http://m:8080/metadata"}),
+     "shared_tier.master is missing: expected the master's RPC address, host:port"),
+    (dict(shared_tier={"backend": "mooncake", "master": "m:50051"}),
+     "shared_tier.metadata is missing: expected the metadata server: http://host:port/metadata"),
+    (dict(shared_tier={"backend": "mooncake", "master": "m:50051", "metadata": "http://m:8080/metadata",
+                       "protocol": "efa"}), "shared_tier.protocol='efa': expected 'tcp' or 'rdma'"),
+    (dict(shared_tier={"backend": "mooncake", "master": "m:50051", "metadata": "http://m:8080/metadata",
+                       "segment_bytes": -1}), "shared_tier.segment_bytes=-1: expected an int >= 0"),
 ])
 def test_bad_value_is_one_clear_error(model, extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

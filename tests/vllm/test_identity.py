@@ -1,6 +1,6 @@
-"""The shared tier never serves another model's KV: real vLLM engines, each its own process, on one directory or one
-redis-server, through the four flows that once served stale KV (issue 38), every output compared with the same
-weights' own recompute (an engine without a connector).
+"""The shared tier never serves another model's KV: real vLLM engines, each its own process, on one directory, one
+redis-server or one Mooncake pool, through the four flows that once served stale KV (issue 38), every output compared
+with the same weights' own recompute (an engine without a connector).
 
 1. A reset before the first request: start on checkpoint W0, update the weights in place to W1, reset, generate.
 2. Two processes, each one update in, on other weights: a replica updated to W2 never loads what one updated to
@@ -78,10 +78,12 @@ def expected(models) -> dict[str, list]:
     return dict(zip(("w0", *names), outputs)) | {"rope": run(models["rope"], [["generate"]])[0]["outputs"]}
 
 
-@pytest.fixture(params=["fs", "redis"])
+@pytest.fixture(params=["fs", "redis", "mooncake"])
 def shared(request, tmp_path) -> dict:
     if request.param == "fs":
         return {"backend": "fs", "path": str(tmp_path / "kv"), "bytes": 1 << 30}
+    if request.param == "mooncake":  # a master and a store node: records outlive the engines that put them
+        return request.getfixturevalue("mooncake_pool").settings()
     server = request.getfixturevalue("redis_server")
     return {"backend": "redis", "url": server.url, "username": USER, "password_env": SECRET}
 

@@ -1,0 +1,259 @@
+"""The Mooncake tier: one namespace's records as objects in a Mooncake Store pool that engines share (the distributed
+KV pool of Kimi's serving, SGLang HiCache's L3, vLLM's ``MooncakeStoreConnector``; ``kvoffload.spec.records`` says
+what a record is and what a reader checks)::
+
+    kvoffload/<namespace digest>/manifest    the namespace's fields: set by the first engine, checked at each attach
+    kvoffload/<namespace digest>/<key>       one record per offload block: header and payload in one object
+
+**One object per record, written once.** The pool never replaces an object: a second put of a name succeeds and
+changes nothing, so the first writer wins. A put asks first which of its records are there, and sends only the
+others. Objects become visible only once whole (Mooncake's put is a start, the copies, and an end).
+
+**Reads are bounded by our config.** A record is read into this thread's registered buffer, at most our config's
+record size plus one byte (an object larger than that is refused by the pool), and checked before its payload is
+copied into the tier.
+
+**Capacity** is the pool's: the memory its store nodes lend it (``mooncake_client --global_segment_size``), and
+``segment_bytes`` of each engine's, if it lends any (records there leave the pool with the engine). The master
+evicts the least recently used objects when the pool is full (``eviction_high_watermark_ratio``); a record read
+recently is leased (``default_kv_lease_ttl``): the pool keeps it that long.
+
+**Errors.** A timeout, a master that is down or frozen, a segment gone with its engine: each is a miss or a dropped
+write, counted by its kind, and deletes nothing. Every call is bounded by ``timeout`` (Mooncake's
+``MC_RPC_TIMEOUT_MS``; an operator's own setting wins). Only a record that fails its check is removed: the pool
+refuses while the read that found it holds its lease, so the tier refuses it unread until it can remove it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+from urllib.parse import urlsplit
+
+from attrs import frozen
+
+from kvoffload.spec.records import Bytes, Namespace, RecordError, RecordKey, check_record, encode_key, header_size, seal
+
+from .answers import FutureAnswer
+from .fs import TierError
+
+PREFIX = "kvoffload"
+# Mooncake's error codes (mooncake-store's types.h) that the counters name; any other is counted by its number
+ERRORS = {-704: "missing", -706: "leased", -600: "too_large", -900: "rpc", -901: "timeout", -10: "buffer"}
+
+
+@frozen
+class MooncakeSettings:
+    """How to reach the pool: ``kv_connector_extra_config["shared_tier"]`` with ``backend: "mooncake"``."""
+
+    master: str  # the master's RPC address, host:port
+    metadata: str  # its metadata server: http://host:port/metadata (the master's own, or etcd://...)
+    local_host: str = "127.0.0.1"  # this host's address as other hosts reach its segment
+    protocol: str = "tcp"  # or "rdma"
+    device: str = ""  # the RDMA devices to use ("" over TCP)
+    segment_bytes: int = 0  # host memory this engine lends the pool (records there leave with the engine)
+    buffer_bytes: int = 128 << 20  # the client's own transfer buffer
+    timeout: float = 1.0  # seconds any call may take (per process: its first client's)
+    lease: float = 5.0  # seconds the pool keeps an object after a read (the master's default_kv_lease_ttl)
+
+    def check(self) -> None:
+        """At start-up: the master and its metadata server answer within ``timeout`` and the client joins the pool,
+        or a ``TierError`` names the key to fix. (The client's own join retries for 90 s, holding the GIL.)"""
+        host, _, port = self.master.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=self.timeout).close()
+        except (OSError, ValueError) as error:
+            raise TierError(f"shared_tier.master: the Mooncake master at {self.master} cannot be reached: "
+                            f"{error}") from None
+        url = urlsplit(self.metadata)
+        if url.scheme == "http":
+            try:
+                socket.create_connection((url.hostname, url.port or 80), timeout=self.timeout).close()
+            except OSError as error:
+                raise TierError(f"shared_tier.metadata: the metadata server at {self.metadata} cannot be reached: "
+                                f"{error}") from None
+        client(self)
+
+
+@functools.cache
+def client(settings: MooncakeSettings) -> Any:
+    """One client per pool per process: it mounts this engine's segment once, and every epoch's tiers share it."""
+    for variable in ("MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS"):  # read once per process, by its first client
+        os.environ.setdefault(variable, str(max(int(settings.timeout * 1000), 1)))
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as error:
+        raise TierError(f"shared_tier.backend 'mooncake' needs the Mooncake store client (pip install "
+                        f"kvoffload[mooncake]; its library needs Debian's libibverbs1): {error}") from None
+    store = MooncakeDistributedStore()
+    code = store.setup(settings.local_host, settings.metadata, settings.segment_bytes, settings.buffer_bytes,
+                       settings.protocol, settings.device, settings.master)
+    if code != 0:
+        raise TierError(f"shared_tier.master: the Mooncake master at {settings.master} (metadata {settings.metadata}) "
+                        f"cannot be reached: error {code}")
+    return store
+
+
+class _Buffer:
+    """This thread's memory that the pool reads from and writes into: registered once, grown when a batch needs
+    more (fresh memory for each transfer page-faults at a third of memcpy's speed)."""
+
+    def __init__(self, store: Any, size: int) -> None:
+        self.store, self.bytes = store, bytearray(max(size, 1 << 20))
+        self.view = memoryview(self.bytes)
+        self.address = ctypes.addressof((ctypes.c_char * len(self.bytes)).from_buffer(self.bytes))
+        store.register_buffer(self.address, len(self.bytes))
+
+    def release(self) -> None:
+        self.store.unregister_buffer(self.address)
+
+
+class MooncakeTier:
+    def __init__(self, settings: MooncakeSettings, namespace: Namespace, payload_len: int) -> None:
+        self.settings, self.namespace, self.payload_len = settings, namespace, payload_len
+        self.counters: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._asks = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-mooncake-ask")
+        self._buffers = threading.local()
+        self._condemned: dict[str, float] = {}  # objects that failed their check -> when to try removing them again
+        self._prefix = f"{PREFIX}/{namespace.digest.hex()}/"
+        self._attach()
+
+    @property
+    def store(self) -> Any:
+        return client(self.settings)
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[what] += n
+
+    def _error(self, code: int) -> str:
+        return ERRORS.get(code, f"mooncake{-code}")
+
+    def _buffer(self, size: int) -> _Buffer:
+        buffer: _Buffer | None = getattr(self._buffers, "buffer", None)
+        if buffer is None or len(buffer.bytes) < size:
+            if buffer is not None:
+                buffer.release()
+            buffer = self._buffers.buffer = _Buffer(self.store, size)
+        return buffer
+
+    def _attach(self) -> None:
+        """The namespace's manifest: put by the first engine, compared by every other. A pool that cannot answer
+        now is counted: the records carry their namespace anyway, and every read checks it."""
+        wanted = json.dumps(self.namespace.manifest(), sort_keys=True).encode()
+        name = self._prefix + "manifest"
+        if self.store.put(name, wanted) != 0:
+            self._count("errors_manifest")
+            return
+        found = self.store.get(name)
+        if found and found != wanted:  # (none: evicted already)
+            raise TierError(f"{name} in the Mooncake pool at {self.settings.master} was set for another namespace "
+                            f"than this engine's: {found!r} (this engine: {wanted.decode()})")
+
+    def name(self, key: RecordKey) -> str:
+        return self._prefix + encode_key(key).hex()
+
+    def exists(self, keys: Sequence[RecordKey]) -> list[bool]:
+        self._remove_condemned()
+        names, found = list(map(self.name, keys)), []
+        for name, code in zip(names, self.store.batch_is_exist(names)):
+            if code < 0:
+                self._count(f"errors_{self._error(code)}")
+            found.append(code == 1 and name not in self._condemned)
+        return found
+
+    def ask(self, keys: Sequence[RecordKey], fresh: bool = False) -> FutureAnswer:
+        """The pool's answer, on the tier's ask thread: always fresh."""
+        return FutureAnswer(self._asks.submit(self.exists, list(keys)))
+
+    def get(self, keys: Sequence[RecordKey], into: Sequence[memoryview]) -> list[bool]:
+        """Each record into this thread's buffer, at most ``header + payload + 1`` bytes each, checked, then its
+        payload into ``into``."""
+        self._remove_condemned()
+        sizes = [header_size(key) + self.payload_len + 1 for key in keys]
+        buffer = self._buffer(sum(sizes))
+        offsets = [sum(sizes[:i]) for i in range(len(keys))]
+        names = list(map(self.name, keys))
+        codes = self.store.batch_get_into(names, [buffer.address + at for at in offsets], sizes)
+        return [self._take(key, name, code, buffer.view[at:at + size], target)
+                for key, name, code, at, size, target in zip(keys, names, codes, offsets, sizes, into)]
+
+    def _take(self, key: RecordKey, name: str, code: int, read: memoryview, into: memoryview) -> bool:
+        if name in self._condemned:  # read before the pool let us remove it: refused again, counted once
+            return False
+        if code == -704:
+            self._count("misses")
+            return False
+        if code == -600:  # larger than any record of ours
+            self._quarantine(name, "length")
+            return False
+        if code < 0:
+            self._count(f"errors_{self._error(code)}")
+            return False
+        head = header_size(key)
+        payload = read[head:head + self.payload_len]
+        try:
+            check_record(read[:head], payload, code, self.namespace, key)
+        except RecordError as bad:
+            self._quarantine(name, bad.reason)
+            return False
+        memoryview(into).cast("B")[:self.payload_len] = payload
+        self._count("hits")
+        return True
+
+    def _quarantine(self, name: str, reason: str) -> None:
+        """Never served again: removed once the pool lets us. Our own read just leased it, and no put can replace
+        it meanwhile (the pool keeps the first object of a name), so until then this tier refuses it unread."""
+        self._count(f"quarantined_{reason}")
+        with self._lock:
+            self._condemned[name] = 0.0
+        self._remove_condemned()
+
+    def _remove_condemned(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = [name for name, when in self._condemned.items() if when <= now]
+            for name in due:
+                self._condemned[name] = now + self.settings.lease
+        for name in due:
+            code = self.store.remove(name)
+            if code in (0, -704):
+                with self._lock:
+                    self._condemned.pop(name, None)
+            elif code != -706:  # still leased: tried again once the lease is over
+                self._count(f"errors_{self._error(code)}")
+
+    def put(self, records: Sequence[tuple[RecordKey, Bytes]]) -> list[str]:
+        self._remove_condemned()
+        names = [self.name(key) for key, _ in records]
+        present = self.store.batch_is_exist(names)
+        outcomes = ["present" if code == 1 else f"dropped:{self._error(code)}" if code < 0 else ""
+                    for code in present]
+        todo = [i for i, outcome in enumerate(outcomes) if not outcome]
+        if todo:
+            pieces = [seal(self.namespace, *records[i]) for i in todo]
+            sizes = [len(header) + len(payload) for header, payload in pieces]
+            buffer, at, addresses = self._buffer(sum(sizes)), 0, []
+            for (header, payload), size in zip(pieces, sizes):
+                buffer.view[at:at + len(header)] = header
+                buffer.view[at + len(header):at + size] = memoryview(payload).cast("B")
+                addresses.append(buffer.address + at)
+                at += size
+            for i, code in zip(todo, self.store.batch_put_from([names[i] for i in todo], addresses, sizes)):
+                outcomes[i] = "stored" if code == 0 else f"dropped:{self._error(code)}"
+        with self._lock:
+            self.counters.update(outcome.replace(":", "_") for outcome in outcomes)
+        return outcomes
+
+    def delete(self, keys: Sequence[RecordKey]) -> None:
+        for key in keys:
+            self.store.remove(self.name(key))

@@ -1,0 +1,160 @@
+"""The Mooncake tier against a real ``mooncake_master`` on loopback ports, its client in this process (over TCP):
+records come back whole, the first writer wins, another namespace never reads a record, a damaged object is
+refused, counted and removed, and a master that is killed or frozen costs a miss or a dropped write, never a wrong
+byte and never a wait past the timeout."""
+
+import time
+
+import attrs
+import pytest
+
+from kvoffload.impl.testing import mooncake_master
+from kvoffload.impl.testing.mooncake_master import MooncakeMaster
+from kvoffload.impl.tiers import TierError
+
+from ..conftest import needs_mooncake
+from .test_fs_tier import KEY, NS, PAYLOAD, payload
+
+
+@pytest.fixture(autouse=True)
+def mooncake_here():
+    needs_mooncake()
+
+
+if mooncake_master.missing() is None:
+    from kvoffload.impl.tiers.mooncake import MooncakeSettings, MooncakeTier, client
+
+
+@pytest.fixture
+def master():
+    with MooncakeMaster(lease_ms=50) as master:  # a read object may be removed 50 ms on
+        yield master
+
+
+def settings(server, **options) -> "MooncakeSettings":
+    return MooncakeSettings(**{"master": server.address, "metadata": server.metadata, "buffer_bytes": 16 << 20,
+                               "timeout": 0.3, "lease": 0.05, **options})
+
+
+def tier(master, namespace=NS, **options) -> "MooncakeTier":
+    return MooncakeTier(settings(master, **options), namespace, PAYLOAD)
+
+
+def read(tier, key=KEY) -> bytes | None:
+    buffer = bytearray(PAYLOAD)
+    return bytes(buffer) if tier.get([key], [memoryview(buffer)])[0] else None
+
+
+def wait(answer, limit=5.0):
+    deadline = time.monotonic() + limit
+    while not answer.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    return answer.result()
+
+
+def overwrite(master, name: str, value: bytes) -> None:
+    """Another client of the pool replaces the object ``name`` with ``value`` (once its lease is over)."""
+    store = client(settings(master))
+    time.sleep(0.1)
+    assert store.remove(name) == 0
+    assert store.put(name, value) == 0
+
+
+def test_a_record_comes_back_and_a_second_writer_writes_nothing(master):
+    first, second = tier(master), tier(master)
+    assert first.put([(KEY, payload(1)), (5, payload(2))]) == ["stored", "stored"]
+    assert second.put([(KEY, payload(3)), (6, payload(4))]) == ["present", "stored"]
+    assert read(second) == payload(1) and read(second, 5) == payload(2) and read(second, 6) == payload(4)
+    assert second.exists([KEY, 5, 7]) == [True, True, False] and wait(second.ask([7, 5])) == [False, True]
+    assert read(second, 7) is None and second.counters["misses"] == 1 and second.counters["hits"] == 3
+
+
+def test_one_batch_reads_hits_misses_and_damaged_objects_each_for_itself(master):
+    engine = tier(master)
+    assert engine.put([(1, payload(1)), (9, payload(9))]) == ["stored", "stored"]
+    good = client(settings(master)).get(engine.name(1))
+    store = client(settings(master))
+    store.put(engine.name(3), good + b"!")
+    store.put(engine.name(4), good[:-1])
+    keys = [1, 2, 3, 4, 9]
+    buffers = [bytearray(PAYLOAD) for _ in keys]
+    assert engine.get(keys, list(map(memoryview, buffers))) == [True, False, False, False, True]
+    assert bytes(buffers[0]) == payload(1) and bytes(buffers[-1]) == payload(9)
+    assert engine.counters["misses"] == 1
+    assert engine.counters["quarantined_length"] == 1 and engine.counters["quarantined_short"] == 1
+
+
+def test_another_namespace_never_reads_a_record(master):
+    tier(master).put([(KEY, payload(1))])
+    for other in (attrs.evolve(NS, kv_dtype="float8_e4m3fn"), attrs.evolve(NS, weights="updated"),
+                  attrs.evolve(NS, config="rope_theta=500000"), attrs.evolve(NS, tenant="b"),
+                  attrs.evolve(NS, model="other-model")):
+        assert read(tier(master, other)) is None
+
+
+def test_a_manifest_set_for_another_namespace_stops_the_attach(master):
+    engine = tier(master)
+    overwrite(master, engine._prefix + "manifest", b'{"namespace": "another one"}')
+    with pytest.raises(TierError, match="was set for another namespace"):
+        tier(master)
+
+
+@pytest.mark.parametrize("damage, reason", [(lambda v: v[:len(v) // 2], "short"),
+                                            (lambda v: v[:-1] + bytes([v[-1] ^ 1]), "checksum"),
+                                            (lambda v: v + b"tail", "length")])
+def test_an_object_another_client_replaced_is_detected_counted_and_removed(master, damage, reason):
+    writer, reader = tier(master), tier(master)
+    writer.put([(KEY, payload(1))])
+    store = client(settings(master))
+    overwrite(master, writer.name(KEY), damage(store.get(writer.name(KEY))))
+    assert read(reader) is None and reader.counters[f"quarantined_{reason}"] == 1
+    assert read(reader) is None and reader.counters[f"quarantined_{reason}"] == 1  # refused unread: leased still
+    time.sleep(0.1)  # the lease of its read is over: the tier removes it at its next call
+    assert reader.exists([KEY]) == [False] and store.is_exist(writer.name(KEY)) == 0  # never served again
+    assert writer.put([(KEY, payload(1))]) == ["stored"] and read(reader) == payload(1)
+
+
+def test_a_killed_master_is_a_miss_and_a_dropped_write_then_serves_again_after_its_restart(master):
+    engine = tier(master)
+    engine.put([(KEY, payload(1))])
+    master.kill()
+    began = time.monotonic()
+    assert read(engine) is None and engine.put([(5, payload(2))])[0].startswith("dropped:")
+    assert wait(engine.ask([KEY]), limit=10) == [False]
+    assert time.monotonic() - began < 15  # the client's reconnect: about 4 s a call here (not bounded by us yet)
+    assert not any(name.startswith("quarantined") for name in engine.counters)
+    master.start()  # it comes back empty: the pool's objects were its metadata
+    assert read(engine) is None
+    began = time.monotonic()
+    while engine.put([(KEY, payload(3))]) != ["stored"]:  # until the client has mounted its segment again
+        assert time.monotonic() - began < 30
+        time.sleep(0.2)
+    print(f"stored again {time.monotonic() - began:.1f} s after the restart")
+    assert read(engine) == payload(3)
+
+
+def test_a_frozen_master_costs_a_lookup_its_deadline_and_a_read_its_timeout_never_more(master):
+    engine = tier(master)
+    engine.put([(KEY, payload(1))])
+    master.freeze()
+    try:
+        answer = engine.ask([KEY])
+        time.sleep(0.1)
+        assert not answer.done() and answer.waited() >= 0.1  # the connector gives up here, at its deadline
+        began = time.monotonic()
+        assert read(engine) is None
+        assert time.monotonic() - began < 1.5 and engine.counters["errors_timeout"] >= 1
+        assert engine.put([(5, payload(2))])[0].startswith("dropped:")
+        assert wait(answer) == [False]  # the check itself ends at the timeout
+    finally:
+        master.thaw()
+    assert read(engine) == payload(1)
+
+
+def test_a_master_or_metadata_server_that_cannot_be_reached_is_a_clear_error_that_names_the_key(master):
+    with pytest.raises(TierError, match="shared_tier.master: .* cannot be reached"):
+        settings(master, master="127.0.0.1:1").check()
+    with pytest.raises(TierError, match="shared_tier.metadata: .* cannot be reached"):
+        settings(master, metadata="http://127.0.0.1:1/metadata").check()
+    settings(master).check()
