@@ -9,9 +9,10 @@ what a record is and what a reader checks)::
 changes nothing, so the first writer wins. A put asks first which of its records are there, and sends only the
 others. Objects become visible only once whole (Mooncake's put is a start, the copies, and an end).
 
-**Reads are bounded by our config.** A record is read into this thread's registered buffer, at most our config's
-record size plus one byte (an object larger than that is refused by the pool), and checked before its payload is
-copied into the tier.
+**No copy of a payload.** A put sends each header from this thread's buffer and each payload from where it lies;
+a get lands each header in that buffer and each payload straight in the tier's row, exactly our config's record
+size (the pool refuses an object of another size: then its size is asked, and a wrong one is damaged), and checks
+the record before the tier serves it.
 
 **Capacity** is the pool's: the memory its store nodes lend it (``mooncake_client --global_segment_size``), and
 ``segment_bytes`` of each engine's, if it lends any (records there leave the pool with the engine). The master
@@ -38,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
+import numpy
 from attrs import frozen
 
 from kvoffload.spec.records import Bytes, Namespace, RecordError, RecordKey, check_record, encode_key, header_size, seal
@@ -176,37 +178,40 @@ class MooncakeTier:
         return FutureAnswer(self._asks.submit(self.exists, list(keys)))
 
     def get(self, keys: Sequence[RecordKey], into: Sequence[memoryview]) -> list[bool]:
-        """Each record into this thread's buffer, at most ``header + payload + 1`` bytes each, checked, then its
-        payload into ``into``."""
+        """Each record straight where it goes: its header into this thread's buffer, its payload into ``into``
+        (the pool refuses an object of another size), then checked."""
         self._remove_condemned()
-        sizes = [header_size(key) + self.payload_len + 1 for key in keys]
-        buffer = self._buffer(sum(sizes))
-        offsets = [sum(sizes[:i]) for i in range(len(keys))]
+        heads = [header_size(key) for key in keys]
+        buffer = self._buffer(sum(heads))
+        offsets = [sum(heads[:i]) for i in range(len(keys))]
         names = list(map(self.name, keys))
-        codes = self.store.batch_get_into(names, [buffer.address + at for at in offsets], sizes)
-        return [self._take(key, name, code, buffer.view[at:at + size], target)
-                for key, name, code, at, size, target in zip(keys, names, codes, offsets, sizes, into)]
+        rows = [memoryview(target).cast("B")[:self.payload_len] for target in into]
+        arrays = [numpy.frombuffer(row, dtype=numpy.uint8) for row in rows]  # held until the call returns
+        codes = self.store.batch_get_into_multi_buffers(
+            names, [[buffer.address + at, array.ctypes.data] for at, array in zip(offsets, arrays)],
+            [[head, self.payload_len] for head in heads])
+        return [self._take(key, name, code, buffer.view[at:at + head], row)
+                for key, name, code, at, head, row in zip(keys, names, codes, offsets, heads, rows)]
 
-    def _take(self, key: RecordKey, name: str, code: int, read: memoryview, into: memoryview) -> bool:
+    def _take(self, key: RecordKey, name: str, code: int, header: memoryview, payload: memoryview) -> bool:
         if name in self._condemned:  # read before the pool let us remove it: refused again, counted once
             return False
         if code == -704:
             self._count("misses")
             return False
-        if code == -600:  # larger than any record of ours
-            self._quarantine(name, "length")
-            return False
+        if code in (-600, -800):  # the pool refused our buffers: an object of another size, or an error
+            size, expected = self.store.get_size(name), len(header) + self.payload_len
+            if size >= 0 and size != expected:
+                self._quarantine(name, "length" if size > expected else "short")
+                return False
         if code < 0:
             self._count(f"errors_{self._error(code)}")
             return False
-        head = header_size(key)
-        payload = read[head:head + self.payload_len]
         try:
-            check_record(read[:head], payload, code, self.namespace, key)
+            check_record(header, payload, code, self.namespace, key)
         except RecordError as bad:
             self._quarantine(name, bad.reason)
             return False
-        memoryview(into).cast("B")[:self.payload_len] = payload
         self._count("hits")
         return True
 
@@ -239,16 +244,17 @@ class MooncakeTier:
         outcomes = ["present" if code == 1 else f"dropped:{self._error(code)}" if code < 0 else ""
                     for code in present]
         todo = [i for i, outcome in enumerate(outcomes) if not outcome]
-        if todo:
+        if todo:  # each header from this thread's buffer, each payload from where it lies
             pieces = [seal(self.namespace, *records[i]) for i in todo]
-            sizes = [len(header) + len(payload) for header, payload in pieces]
-            buffer, at, addresses = self._buffer(sum(sizes)), 0, []
-            for (header, payload), size in zip(pieces, sizes):
+            buffer, at, pointers, sizes = self._buffer(sum(len(header) for header, _ in pieces)), 0, [], []
+            arrays = [numpy.frombuffer(payload, dtype=numpy.uint8) for _, payload in pieces]  # held until it returns
+            for (header, _), array in zip(pieces, arrays):
                 buffer.view[at:at + len(header)] = header
-                buffer.view[at + len(header):at + size] = memoryview(payload).cast("B")
-                addresses.append(buffer.address + at)
-                at += size
-            for i, code in zip(todo, self.store.batch_put_from([names[i] for i in todo], addresses, sizes)):
+                pointers.append([buffer.address + at, array.ctypes.data])
+                sizes.append([len(header), array.nbytes])
+                at += len(header)
+            codes = self.store.batch_put_from_multi_buffers([names[i] for i in todo], pointers, sizes)
+            for i, code in zip(todo, codes):
                 outcomes[i] = "stored" if code == 0 else f"dropped:{self._error(code)}"
         with self._lock:
             self.counters.update(outcome.replace(":", "_") for outcome in outcomes)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import needs_redis_server
+from ..conftest import needs_mooncake, needs_redis_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,6 +22,7 @@ BENCHMARKS = {
     "fs_tier.py": (["--sizes-kib", "64", "--total-mib", "2", "--repeat", "1"], ["shared_tier_load_vs_raw"]),
     "gpu_check.py": (["--repeats", "1", "--warmup", "0", "--skip-tests"], []),
     "identity.py": (["--quick"], ["identity_vs_load", "fold_vs_load"]),
+    "mooncake_tier.py": (["--sizes-kib", "64", "--total-mib", "2", "--repeat", "1"], ["mooncake_load_vs_raw"]),
     "redis_tier.py": (["--sizes-kib", "64", "--total-mib", "2", "--repeat", "1"], ["redis_load_vs_raw"]),
     "sched_vs_reference.py": (["--steps", "5", "--live", "16"], ["sched_ratio_vs_reference"]),
     "sched_shared.py": (["--steps", "5", "--live", "16"], ["sched_shared_tier_vs_off"]),
@@ -41,6 +42,8 @@ def test_the_benchmark_runs_at_a_tiny_size(script, tmp_path):
     args, figures = BENCHMARKS[script]
     if script == "redis_tier.py":
         needs_redis_server()
+    if script == "mooncake_tier.py":
+        needs_mooncake()
     if script == "gpu_check.py":
         args = [*args, "--out", str(tmp_path)]
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, capture_output=True,

@@ -1,0 +1,115 @@
+"""The Mooncake tier's store and load GB/s against the raw client's batch put and get of the same bytes, on the same
+real pool (a ``mooncake_master`` and a store node on loopback ports, over TCP), in the same run.
+
+Ours: ``MooncakeTier.put`` (which of the batch's records are there, then seal each into this thread's registered
+buffer and ``batch_put_from``) and ``MooncakeTier.get`` (``batch_get_into`` this thread's registered buffer, check
+each record, copy its payload into the tier's row). The baseline: the same sealed bytes, ``batch_put_from`` and
+``batch_get_into`` from and into one registered buffer, no format, no check (the client's zero-copy calls). Side by
+side a batch at a time, the ratio of each round's sums, the median over ``--repeat`` rounds; every object is removed
+between rounds.
+
+Last line: ``mooncake_store_vs_raw=… mooncake_load_vs_raw=…``, the smallest over the record sizes (goal: ≥ 0.9 from
+256 KiB to 4 MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import time
+
+from kvoffload.impl.testing.mooncake_master import MooncakeMaster, missing
+from kvoffload.spec.records import Namespace, seal
+
+NS = Namespace(model="bench", weights="none", kv_dtype="bfloat16", kv_layout="kv_first", block_size=16,
+               hash_block_size=16, hash_algorithm="sha256", hash_seed="0")
+
+
+def batches(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def timed(run, *args) -> float:
+    start = time.perf_counter()
+    run(*args)
+    return time.perf_counter() - start
+
+
+class Raw:
+    """The client's own zero-copy batch calls, from and into one registered buffer holding every record."""
+
+    def __init__(self, store, values: list[bytes]) -> None:
+        self.store, self.sizes = store, [len(v) for v in values]
+        self.buffer = bytearray(b"".join(values))
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(values))]
+        self.address = ctypes.addressof((ctypes.c_char * len(self.buffer)).from_buffer(self.buffer))
+        store.register_buffer(self.address, len(self.buffer))
+
+    def put(self, part: list[int]) -> None:
+        codes = self.store.batch_put_from([f"raw/{i}" for i in part], [self.address + self.offsets[i] for i in part],
+                                          [self.sizes[i] for i in part])
+        assert all(code == 0 for code in codes), codes
+
+    def get(self, part: list[int]) -> None:
+        codes = self.store.batch_get_into([f"raw/{i}" for i in part], [self.address + self.offsets[i] for i in part],
+                                          [self.sizes[i] for i in part])
+        assert codes == [self.sizes[i] for i in part], codes
+
+
+def one_round(tier, raw: Raw, payloads: list[bytes], batch: int) -> dict[str, float]:
+    """Every batch stored raw then by us, then loaded raw then by us, side by side: seconds of each, summed."""
+    seconds = dict.fromkeys(("raw_store", "store", "raw_load", "load"), 0.0)
+    rows = [memoryview(bytearray(b"\xff" * len(payload))) for payload in payloads]  # the tier's rows, touched
+    outcomes: list[str] = []
+    hits: list[bool] = []
+    for part in batches(list(range(len(payloads))), batch):
+        seconds["raw_store"] += timed(raw.put, part)
+        seconds["store"] += timed(lambda part=part: outcomes.extend(tier.put([(i, payloads[i]) for i in part])))
+    for part in batches(list(range(len(payloads))), batch):
+        seconds["raw_load"] += timed(raw.get, part)
+        seconds["load"] += timed(lambda part=part: hits.extend(tier.get(part, rows[part[0]:part[-1] + 1])))
+    assert outcomes == ["stored"] * len(payloads), outcomes
+    assert all(hits) and all(bytes(row) == payload for row, payload in zip(rows, payloads))
+    time.sleep(tier.settings.lease)  # the reads' leases end: then every object can go
+    for i in range(len(payloads)):
+        raw.store.remove(f"raw/{i}")
+    tier.delete(list(range(len(payloads))))
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-kib", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--total-mib", type=int, default=64, help="bytes per round")
+    parser.add_argument("--batch", type=int, default=16, help="records per batch (a transfer's blocks)")
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args()
+    why = missing()
+    if why:
+        raise SystemExit(why)
+    from kvoffload.impl.tiers.mooncake import MooncakeSettings, MooncakeTier, client
+
+    ratios = []
+    with MooncakeMaster(lease_ms=50, node_bytes=max(4 * args.total_mib, 64) << 20) as master:  # its least: 16 MiB
+        settings = MooncakeSettings(master=master.address, metadata=master.metadata, buffer_bytes=64 << 20,
+                                    timeout=30, lease=0.1)
+        for size in args.sizes_kib:
+            payloads = [os.urandom(size << 10) for _ in range(max(args.total_mib * 1024 // size, 1))]
+            nbytes = sum(map(len, payloads))
+            tier = MooncakeTier(settings, NS, size << 10)
+            raw = Raw(client(settings), [b"".join(seal(NS, i, payload)) for i, payload in enumerate(payloads)])
+            rounds = [one_round(tier, raw, payloads, args.batch) for _ in range(args.repeat)]
+            gbps = {kind: nbytes / statistics.median(r[kind] for r in rounds) / 1e9 for kind in rounds[0]}
+            ratios.append((statistics.median(r["raw_store"] / r["store"] for r in rounds),
+                           statistics.median(r["raw_load"] / r["load"] for r in rounds)))
+            print(f"{size:>5} KiB records x {len(payloads)}: store {gbps['store']:.2f} GB/s (raw "
+                  f"{gbps['raw_store']:.2f}), load {gbps['load']:.2f} GB/s (raw {gbps['raw_load']:.2f}); "
+                  f"ours/raw {ratios[-1][0]:.2f}, {ratios[-1][1]:.2f}", flush=True)
+    print(f"mooncake_store_vs_raw={min(r[0] for r in ratios):.2f} "
+          f"mooncake_load_vs_raw={min(r[1] for r in ratios):.2f}")
+
+
+if __name__ == "__main__":
+    main()
