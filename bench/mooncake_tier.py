@@ -94,7 +94,7 @@ def main() -> None:
     ratios = []
     with MooncakeMaster(lease_ms=50, node_bytes=max(4 * args.total_mib, 64) << 20) as master:  # its least: 16 MiB
         settings = MooncakeSettings(master=master.address, metadata=master.metadata, buffer_bytes=64 << 20,
-                                    timeout=30, lease=0.1)
+                                    lease=0.1)
         for size in args.sizes_kib:
             payloads = [os.urandom(size << 10) for _ in range(max(args.total_mib * 1024 // size, 1))]
             nbytes = sum(map(len, payloads))

@@ -20,8 +20,9 @@ evicts the least recently used objects when the pool is full (``eviction_high_wa
 recently is leased (``default_kv_lease_ttl``): the pool keeps it that long.
 
 **Errors.** A timeout, a master that is down or frozen, a segment gone with its engine: each is a miss or a dropped
-write, counted by its kind, and deletes nothing. Every call is bounded by ``timeout`` (Mooncake's
-``MC_RPC_TIMEOUT_MS``; an operator's own setting wins). Only a record that fails its check is removed: the pool
+write, counted by its kind, and deletes nothing. Every call is bounded by Mooncake's ``MC_RPC_TIMEOUT_MS``, which
+only the operator sets (the engine's environment is not ours to change); unset, a frozen master holds a call 30 s,
+and the tier says so when it joins the pool. Only a record that fails its check is removed: the pool
 refuses while the read that found it holds its lease, so the tier refuses it unread until it can remove it.
 """
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import logging
 import os
 import socket
 import threading
@@ -49,6 +51,8 @@ from .fs import TierError
 
 PREFIX = "kvoffload"
 # Mooncake's error codes (mooncake-store's types.h) that the counters name; any other is counted by its number
+REACH_TIMEOUT = 2.0  # seconds the master and the metadata server may take to accept a connection at start-up
+logger = logging.getLogger("kvoffload.tiers.mooncake")
 ERRORS = {-704: "missing", -706: "leased", -600: "too_large", -900: "rpc", -901: "timeout", -10: "buffer"}
 
 
@@ -63,22 +67,22 @@ class MooncakeSettings:
     device: str = ""  # the RDMA devices to use ("" over TCP)
     segment_bytes: int = 0  # host memory this engine lends the pool (records there leave with the engine)
     buffer_bytes: int = 128 << 20  # the client's own transfer buffer
-    timeout: float = 1.0  # seconds any call may take (per process: its first client's)
     lease: float = 5.0  # seconds the pool keeps an object after a read (the master's default_kv_lease_ttl)
 
     def check(self) -> None:
-        """At start-up: the master and its metadata server answer within ``timeout`` and the client joins the pool,
-        or a ``TierError`` names the key to fix. (The client's own join retries for 90 s, holding the GIL.)"""
+        """At start-up: the master and its metadata server accept a connection within ``REACH_TIMEOUT`` and the
+        client joins the pool, or a ``TierError`` names the key to fix (the client's own join retries for 90 s,
+        holding the GIL)."""
         host, _, port = self.master.rpartition(":")
         try:
-            socket.create_connection((host, int(port)), timeout=self.timeout).close()
+            socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT).close()
         except (OSError, ValueError) as error:
             raise TierError(f"shared_tier.master: the Mooncake master at {self.master} cannot be reached: "
                             f"{error}") from None
         url = urlsplit(self.metadata)
         if url.scheme == "http":
             try:
-                socket.create_connection((url.hostname, url.port or 80), timeout=self.timeout).close()
+                socket.create_connection((url.hostname, url.port or 80), timeout=REACH_TIMEOUT).close()
             except OSError as error:
                 raise TierError(f"shared_tier.metadata: the metadata server at {self.metadata} cannot be reached: "
                                 f"{error}") from None
@@ -88,8 +92,9 @@ class MooncakeSettings:
 @functools.cache
 def client(settings: MooncakeSettings) -> Any:
     """One client per pool per process: it mounts this engine's segment once, and every epoch's tiers share it."""
-    for variable in ("MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS"):  # read once per process, by its first client
-        os.environ.setdefault(variable, str(max(int(settings.timeout * 1000), 1)))
+    if "MC_RPC_TIMEOUT_MS" not in os.environ:
+        logger.warning("MC_RPC_TIMEOUT_MS is not set: a call to a frozen Mooncake master may take 30 s before the "
+                       "shared tier counts it a miss (set it in the engine's environment, e.g. 1000)")
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as error:

@@ -80,7 +80,6 @@ SHARED_BACKENDS: dict[str, dict[str, Check]] = {
         "segment_bytes": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
                           "an int >= 0: host memory this engine lends the pool (0: store nodes hold it all)", OPTIONAL),
         "buffer_bytes": (_positive_int, "a positive int: the client's own transfer buffer", OPTIONAL),
-        "timeout": (_positive_seconds, "a positive number of seconds any call may take", OPTIONAL),
         "lease": (_positive_seconds, "the master's default_kv_lease_ttl, in seconds", OPTIONAL),
     },
 }
