@@ -20,21 +20,10 @@ import os
 import statistics
 import time
 
+from redis_tier import NS, batches, timed  # the same harness as the Redis tier's
+
 from kvoffload.impl.testing.mooncake_master import MooncakeMaster, missing
-from kvoffload.spec.records import Namespace, seal
-
-NS = Namespace(model="bench", weights="none", kv_dtype="bfloat16", kv_layout="kv_first", block_size=16,
-               hash_block_size=16, hash_algorithm="sha256", hash_seed="0")
-
-
-def batches(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
-
-
-def timed(run, *args) -> float:
-    start = time.perf_counter()
-    run(*args)
-    return time.perf_counter() - start
+from kvoffload.spec.records import seal
 
 
 class Raw:

@@ -29,9 +29,18 @@ def payload(seed: int) -> bytes:
     return bytes((seed * 31 + i * 7) % 251 for i in range(PAYLOAD))
 
 
-def read(tier: FileTier, key=KEY) -> bytes | None:
+def read(tier: SharedTier, key=KEY) -> bytes | None:
     buffer = bytearray(PAYLOAD)
     return bytes(buffer) if tier.get([key], [memoryview(buffer)])[0] else None
+
+
+def wait(answer, limit=5.0):
+    """An existence check's answer, once the tier has it (within ``limit`` seconds)."""
+    deadline = time.monotonic() + limit
+    while not answer.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    return answer.result()
 
 
 def test_a_record_comes_back_and_a_second_put_writes_nothing(tmp_path, tier_class=FileTier):

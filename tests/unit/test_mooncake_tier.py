@@ -14,7 +14,7 @@ from kvoffload.impl.testing.mooncake_master import MooncakeMaster
 from kvoffload.impl.tiers import TierError
 
 from ..conftest import needs_mooncake
-from .test_fs_tier import KEY, NS, PAYLOAD, payload
+from .test_fs_tier import KEY, NS, PAYLOAD, payload, read, wait
 
 # Mooncake's client reads its call timeout from the environment, once per process, which only an operator (or a test)
 # sets: 300 ms here, for the killed and frozen master's tests.
@@ -43,19 +43,6 @@ def settings(server, **options) -> "MooncakeSettings":
 
 def tier(master, namespace=NS, **options) -> "MooncakeTier":
     return MooncakeTier(settings(master, **options), namespace, PAYLOAD)
-
-
-def read(tier, key=KEY) -> bytes | None:
-    buffer = bytearray(PAYLOAD)
-    return bytes(buffer) if tier.get([key], [memoryview(buffer)])[0] else None
-
-
-def wait(answer, limit=5.0):
-    deadline = time.monotonic() + limit
-    while not answer.done():
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    return answer.result()
 
 
 def overwrite(master, name: str, value: bytes) -> None:

@@ -17,7 +17,7 @@ from kvoffload.impl.tiers import TierError  # noqa: E402
 from kvoffload.impl.tiers.redis import RedisSettings, RedisTier  # noqa: E402
 
 from ..conftest import needs_redis_server  # noqa: E402
-from .test_fs_tier import KEY, NS, PAYLOAD, payload  # noqa: E402
+from .test_fs_tier import KEY, NS, PAYLOAD, payload, read, wait  # noqa: E402
 
 
 @pytest.fixture
@@ -31,19 +31,6 @@ def settings(server, **options) -> RedisSettings:
 
 def tier(server, namespace=NS, **options) -> RedisTier:
     return RedisTier(settings(server, **options), namespace, PAYLOAD)
-
-
-def read(tier: RedisTier, key=KEY) -> bytes | None:
-    buffer = bytearray(PAYLOAD)
-    return bytes(buffer) if tier.get([key], [memoryview(buffer)])[0] else None
-
-
-def wait(answer, limit=5.0):
-    deadline = time.monotonic() + limit
-    while not answer.done():
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    return answer.result()
 
 
 def test_a_record_comes_back_and_a_second_writer_writes_nothing(server):
