@@ -14,13 +14,12 @@ Last line: ``mooncake_store_vs_raw=… mooncake_load_vs_raw=…``, the smallest 
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import statistics
 import time
 
-from redis_tier import NS, batches, timed  # the same harness as the Redis tier's
+from redis_tier import NS, arguments, batches, timed  # the same harness as the Redis tier's
 
 from kvoffload.impl.testing.mooncake_master import MooncakeMaster, missing
 from kvoffload.spec.records import seal
@@ -69,15 +68,7 @@ def one_round(tier, raw: Raw, payloads: list[bytes], batch: int) -> dict[str, fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes-kib", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--total-mib", type=int, default=64, help="bytes per round")
-    parser.add_argument("--batch", type=int, default=16, help="records per batch (a transfer's blocks)")
-    parser.add_argument("--repeat", type=int, default=7)
-    args = parser.parse_args()
-    why = missing()
-    if why:
-        raise SystemExit(why)
+    args = arguments(__doc__, missing)
     from kvoffload.impl.tiers.mooncake import MooncakeSettings, MooncakeTier, client
 
     ratios = []

@@ -18,6 +18,7 @@ import argparse
 import os
 import statistics
 import time
+from typing import Callable
 
 from kvoffload.impl.testing.redis_server import PASSWORD, USER, RedisServer, missing
 from kvoffload.impl.tiers.redis import RedisSettings, RedisTier
@@ -76,16 +77,23 @@ outcomes: list[str] = []
 hits: list[bool] = []
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str, missing: Callable[[], str | None]) -> argparse.Namespace:
+    """A tier benchmark's arguments (its docstring's first paragraph is its help); it exits if its server cannot
+    run here, saying why."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--sizes-kib", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--total-mib", type=int, default=64, help="bytes per round")
-    parser.add_argument("--batch", type=int, default=16, help="records per pipeline (a transfer's blocks)")
+    parser.add_argument("--batch", type=int, default=16, help="records per batch (a transfer's blocks)")
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
     why = missing()
     if why:
         raise SystemExit(why)
+    return args
+
+
+def main() -> None:
+    args = arguments(__doc__, missing)
     ratios = []
     with RedisServer() as server:
         for size in args.sizes_kib:

@@ -25,6 +25,12 @@ PAYLOAD = 4096
 KEY = bytes(range(32))
 
 
+# NS with one field changed each: another KV dtype, other weights, another configuration, tenant and model
+OTHER_NAMESPACES = (attrs.evolve(NS, kv_dtype="float8_e4m3fn"), attrs.evolve(NS, weights="updated"),
+                    attrs.evolve(NS, config="rope_theta=500000"), attrs.evolve(NS, tenant="b"),
+                    attrs.evolve(NS, model="other-model"))
+
+
 def payload(seed: int) -> bytes:
     return bytes((seed * 31 + i * 7) % 251 for i in range(PAYLOAD))
 
@@ -60,8 +66,7 @@ def test_a_replica_attaching_later_reads_the_first_ones_records(tmp_path):
 
 def test_another_namespace_never_reads_a_record(tmp_path):
     FileTier(tmp_path, NS, PAYLOAD).put([(KEY, payload(1))])
-    for other in (attrs.evolve(NS, kv_dtype="float8_e4m3fn"), attrs.evolve(NS, weights="updated"),
-                  attrs.evolve(NS, config="rope_theta=500000"), attrs.evolve(NS, tenant="b")):
+    for other in OTHER_NAMESPACES:
         assert read(FileTier(tmp_path, other, PAYLOAD)) is None
 
 

@@ -6,7 +6,6 @@ byte and never a wait past the timeout."""
 import os
 import time
 
-import attrs
 import pytest
 
 from kvoffload.impl.testing import mooncake_master
@@ -14,7 +13,7 @@ from kvoffload.impl.testing.mooncake_master import MooncakeMaster
 from kvoffload.impl.tiers import TierError
 
 from ..conftest import needs_mooncake
-from .test_fs_tier import KEY, NS, PAYLOAD, payload, read, wait
+from .test_fs_tier import KEY, NS, OTHER_NAMESPACES, PAYLOAD, payload, read, wait
 
 # Mooncake's client reads its call timeout from the environment, once per process, which only an operator (or a test)
 # sets: 300 ms here, for the killed and frozen master's tests.
@@ -79,9 +78,7 @@ def test_one_batch_reads_hits_misses_and_damaged_objects_each_for_itself(master)
 
 def test_another_namespace_never_reads_a_record(master):
     tier(master).put([(KEY, payload(1))])
-    for other in (attrs.evolve(NS, kv_dtype="float8_e4m3fn"), attrs.evolve(NS, weights="updated"),
-                  attrs.evolve(NS, config="rope_theta=500000"), attrs.evolve(NS, tenant="b"),
-                  attrs.evolve(NS, model="other-model")):
+    for other in OTHER_NAMESPACES:
         assert read(tier(master, other)) is None
 
 

@@ -17,7 +17,7 @@ from kvoffload.impl.tiers import TierError  # noqa: E402
 from kvoffload.impl.tiers.redis import RedisSettings, RedisTier  # noqa: E402
 
 from ..conftest import needs_redis_server  # noqa: E402
-from .test_fs_tier import KEY, NS, PAYLOAD, payload, read, wait  # noqa: E402
+from .test_fs_tier import KEY, NS, OTHER_NAMESPACES, PAYLOAD, payload, read, wait  # noqa: E402
 
 
 @pytest.fixture
@@ -67,9 +67,7 @@ def test_one_batch_reads_hits_misses_bad_values_and_errors_each_for_itself_and_t
 
 def test_another_namespace_never_reads_a_record(server):
     tier(server).put([(KEY, payload(1))])
-    for other in (attrs.evolve(NS, kv_dtype="float8_e4m3fn"), attrs.evolve(NS, weights="updated"),
-                  attrs.evolve(NS, config="rope_theta=500000"), attrs.evolve(NS, tenant="b"),
-                  attrs.evolve(NS, model="other-model")):
+    for other in OTHER_NAMESPACES:
         assert read(tier(server, other)) is None
 
 
