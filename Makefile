@@ -70,8 +70,9 @@ lint: $(STAMP) $(RELEASE_STAMPS)
 
 # The 25 slowest tests close every run: where the time goes (CI prints it too). String hashes are pinned, so that a
 # connector's set orders (vLLM's block hashes, request ids) are the same in every run and every trace replays.
+# Tests go out one at a time, the slowest modules first, a module sharing engines as one group (tests/conftest.py).
 test: $(STAMP) $(RELEASE_STAMPS) redis mooncake
-	PYTHONHASHSEED=0 $(PY) -m pytest -n auto --durations=25 tests
+	PYTHONHASHSEED=0 $(PY) -m pytest -n auto --dist loadgroup --no-loadscope-reorder --durations=25 tests
 
 stateful: $(STAMP)
 	PYTHONHASHSEED=0 $(PY) -m pytest -n auto tests/stateful

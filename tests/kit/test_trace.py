@@ -19,6 +19,8 @@ from kvoffload.spec.kit.trace import UnreplayableTrace, read_trace, replay, writ
 
 from .connectors import SCENARIO, AssertsAtFinish, AssertsAtLookup, ForgetsDelayedFrees, RaisesAtFinish, asserts_past
 
+pytestmark = pytest.mark.xdist_group("trace")  # one worker: its module fixtures run once (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def failure(tmp_path_factory):

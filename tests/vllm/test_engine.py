@@ -18,6 +18,7 @@ from kvoffload.impl.testing.demo import build_tiny_gemma3, build_tiny_llama, bui
 
 ROOT = Path(__file__).resolve().parents[2]
 CONNECTOR = "kvoffload.impl.vllm_connector:KVOffloadConnector"
+pytestmark = pytest.mark.xdist_group("engine")  # one worker: its module fixtures run once (tests/conftest.py)
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # the test connectors live in tests.vllm.connectors
 
 

@@ -27,6 +27,7 @@ from kvoffload.impl.testing.redis_server import PASSWORD, USER, RedisServer  # n
 from ..conftest import needs_redis_server  # noqa: E402
 from .test_engine import ENV, ROOT  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("identity")  # one worker: its module fixtures run once (tests/conftest.py)
 SECRET = "KVOFFLOAD_TEST_REDIS_PASSWORD"
 
 

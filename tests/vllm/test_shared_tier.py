@@ -20,6 +20,7 @@ from kvoffload.impl.vllm import KVOffloadConnector  # noqa: E402
 
 from .test_engine import CONNECTOR, ENV, ROOT, run_engine  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("shared-tier")  # one worker: its module fixtures run once (tests/conftest.py)
 ONE_ROUND = dict(tier_bytes=32 << 20, offload_block_size=32)
 
 
