@@ -306,9 +306,11 @@ class OffloadScheduler:
                 flush |= self._reading_left_behind(state, computed)
             if hybrid:
                 if kind != "running" or group_block_ids:  # else no new block in any group
-                    self._update_tables(state, kind, group_block_ids)
+                    self._update_tables(state, kind, group_block_ids, windowed)
             elif kind == "running":
                 if block_ids:
+                    if windowed:
+                        self._forget_moved(state.block_tables, (block_ids,))
                     state.block_tables[0] += block_ids
             else:
                 state.block_tables, state.cursor = [list(block_ids or ())], 0
@@ -320,14 +322,28 @@ class OffloadScheduler:
         plan.flush = frozenset(flush)
         return plan
 
-    @staticmethod
-    def _update_tables(state: RequestState, kind: str, new: tuple[tuple[int, ...], ...] | None) -> None:
+    @classmethod
+    def _update_tables(cls, state: RequestState, kind: str, new: tuple[tuple[int, ...], ...] | None,
+                       windowed: bool) -> None:
         """A hybrid model's tables: this step's new blocks per group (running), or every group's whole table."""
         if kind != "running":
             state.block_tables, state.cursor = [list(table) for table in new or ()], 0
         elif new:
+            if windowed:
+                cls._forget_moved(state.block_tables, new)
             for table, blocks in zip(state.block_tables, new):
                 table += blocks
+
+    @staticmethod
+    def _forget_moved(tables: list[list[int]], new: tuple[tuple[int, ...], ...]) -> None:
+        """Only a group that frees blocks while the request runs (a window, a state) can be given a block it holds
+        already: the engine moved it (a state's speculative block goes to the end of its table) or freed it there
+        and gave it back. Its old place is the null block now."""
+        given = {block for blocks in new for block in blocks}
+        given.discard(NULL_BLOCK)
+        for table in tables:
+            if not given.isdisjoint(table):
+                table[:] = [NULL_BLOCK if block in given else block for block in table]
 
     def _left_behind(self, group: int, computed: int) -> int:
         """Leading blocks of a group's table that the engine may have freed (a sliding window's, once ``computed``

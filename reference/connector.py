@@ -307,7 +307,12 @@ class ReferenceConnector:
         new = sched.group_block_ids or sched.block_ids
         if sched.kind == "running":
             if new is not None:  # blocks allocated this step
-                for table, blocks in zip(self._block_tables[sched.req_id], self._tables(new)):
+                tables, added = self._block_tables[sched.req_id], self._tables(new)
+                for table in tables:  # a block given again left its old place (vLLM moved it, or freed it there)
+                    for i, block in enumerate(table):
+                        if block != NULL_BLOCK and any(block in blocks for blocks in added):
+                            table[i] = NULL_BLOCK
+                for table, blocks in zip(tables, added):
                     table.extend(blocks)
         else:  # new or resumed: the whole table
             self._block_tables[sched.req_id] = self._tables(new)

@@ -115,9 +115,11 @@ class Config:
             raise ConfigError("a state group's offload block is one GPU block, the state at its end: "
                               f"offload_block_size must equal block_size, got {self.offload_block_size} and "
                               f"{self.block_size}")
-        if self.num_spec_tokens:
-            raise ConfigError("speculative decoding with a state group is not modelled yet (rejected drafts would "
-                              "roll a state back): num_spec_tokens must be 0")
+        if self.num_spec_tokens >= self.block_size:
+            raise ConfigError("with a state group a decode step's drafts stay within two blocks (vLLM's align mode "
+                              "gives a state block hundreds of tokens; with more drafts than a block holds it copies a "
+                              "boundary's state where its table holds the null block): num_spec_tokens must be below "
+                              f"block_size, got {self.num_spec_tokens} and {self.block_size}")
 
     @property
     def hybrid(self) -> bool:

@@ -253,8 +253,7 @@ class SpecConnector:
             req = self._known(s.req_id)
             flush |= self._reading_left_behind(s.req_id, s.num_computed_tokens)
             if s.kind == "running":
-                for table, new in zip(self.block_tables[s.req_id], self._tables(s.group_block_ids or s.block_ids)):
-                    table += new
+                self._extend(self.block_tables[s.req_id], self._tables(s.group_block_ids or s.block_ids))
             else:
                 self.block_tables[s.req_id] = self._tables(s.group_block_ids or s.block_ids or ())
                 self.cursors[s.req_id] = 0
@@ -264,6 +263,17 @@ class SpecConnector:
                 meta.stores.append(store)
         meta.flush = frozenset(flush)
         return meta
+
+    @staticmethod
+    def _extend(tables: list[list[int]], new: list[list[int]]) -> None:
+        """Append a step's new blocks. A block is in one place of a request's tables at a time: one given again
+        moved there (a state group's speculative block, which vLLM moves to the end of its table), or came back
+        after a sliding window freed it; the engine holds the null block where it was."""
+        moved = {b for blocks in new for b in blocks} - {NULL_BLOCK}
+        for table in tables:
+            table[:] = [NULL_BLOCK if b in moved else b for b in table]
+        for table, blocks in zip(tables, new):
+            table += blocks
 
     def _reading_left_behind(self, req_id: str, computed: int) -> set[int]:
         """Stores of this request that read a block its sliding windows left behind: the engine may have freed it

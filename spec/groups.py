@@ -110,11 +110,15 @@ def longest_hit(groups: Sequence[Group], block_sizes: Sequence[int], num_tokens:
                       for b in group.blocks_read(end, size)))
 
 
-def state_chunk(start: int, n: int, num_prompt_tokens: int, num_tokens: int, block_size: int, budget: int) -> int:
+def state_chunk(start: int, n: int, num_prompt_tokens: int, num_tokens: int, block_size: int, budget: int,
+                shared_prefix_boundary: int = 0) -> int:
     """How many of the ``n`` tokens from ``start`` a model with recurrent state computes in one step (vLLM's
     ``_mamba_block_aligned_split``): a prefill chunk ends where a state can be cached, on a block boundary, and at
     latest on the last one before the last known token. The prompt's last chunk is not clipped (decode carries its
-    state to the boundary), nor a chunk inside a block wider than the ``budget``; 0: no block-aligned chunk fits."""
+    state to the boundary), nor a chunk inside a block wider than the ``budget``; 0: no block-aligned chunk fits.
+    A chunk also stops on the last block boundary before the ``shared_prefix_boundary``: where the request's prefix
+    stops being cached in some group although the others had it (vLLM's Marconi-style junction), so that the state
+    there is cached for the next request that shares it."""
     prefill_end = max(num_prompt_tokens, num_tokens - 1)  # a resumed request replays its outputs as prefill
     if start >= prefill_end:
         return n
@@ -124,6 +128,8 @@ def state_chunk(start: int, n: int, num_prompt_tokens: int, num_tokens: int, blo
         if aligned_end > start or block_size <= budget:
             end = aligned_end
     last_state = (num_tokens - 1) // block_size * block_size  # one token is always left to compute
-    stops = ((start // block_size + 1) * block_size if start % block_size else 0, last_state)
+    junction = start + (shared_prefix_boundary - start) // block_size * block_size
+    stops = ((start // block_size + 1) * block_size if start % block_size else 0, last_state,
+             junction if start < shared_prefix_boundary < end else 0)
     end = min((stop for stop in stops if start < stop < end), default=end)
     return max(end - start, 0)

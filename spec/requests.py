@@ -78,8 +78,10 @@ class Request:
     # computed): how far a model with recurrent state has handed its state blocks to the connector
     num_committed_tokens: int = 0
     load_target: int = 0  # tokens computed once the pending load lands
+    shared_prefix_boundary: int = 0  # where its prefix stops being cached in a group that had more than the hit
     looked_up: bool = False  # the connector has seen this request
     resumed: bool = False  # preempted since it last ran
+    sampled_last: bool = False  # its last step sampled a token: it may verify drafts now (speculative decoding)
 
     @tokens.default
     def _prompt(self) -> list[int]:

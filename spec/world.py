@@ -25,7 +25,8 @@ The engine modes vLLM runs on GPUs are modelled too, because each one changes wh
   * async scheduling: the output of step N is delivered after step N+1 was scheduled, so the scheduler counts
     tokens it has not seen yet (placeholders) and a request's block hashes lag behind its scheduled tokens;
   * speculative decoding: draft tokens are scheduled and written like any other, then some are rejected, which
-    rolls computed tokens back; a rejected draft's KV is rewritten and never has a hash;
+    rolls computed tokens back; a rejected draft's KV is rewritten and never has a hash. Drafts follow a step that
+    sampled, as many as configured (tokens sampled past max_tokens are dropped);
   * weight updates: the tier must forget everything, since KV computed before the update is wrong after it;
   * hybrid models: several KV cache groups (``Config.groups``: full attention, sliding windows, recurrent state), a
     block table each, with blocks of its own size; a sliding window's old blocks are freed while the request runs,
@@ -33,7 +34,9 @@ The engine modes vLLM runs on GPUs are modelled too, because each one changes wh
   * recurrent state (Mamba, gated delta nets, in vLLM's align mode): prefill chunks end on block boundaries, a
     state group holds one block per chunk, the state at its end, and the null block where a chunk passed, and a
     state enters the prefix cache as its chunk is computed (vLLM caches it as it schedules it, and frees the
-    block a chunk later). The state's content is its whole prefix's, as the chained block hash is.
+    block a chunk later). The state's content is its whole prefix's, as the chained block hash is. A chunk also
+    ends where a shared prefix stops being cached in some group. With speculative decoding a block follows the
+    running state's for the state after each draft, and moves to the end of the table once a chunk passes it.
 """
 
 from __future__ import annotations
@@ -331,7 +334,7 @@ class World:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_output_tokens + req.num_placeholders >= req.max_tokens:  # its last tokens are on the way
+            if self._surely_done(req):
                 i += 1
                 continue
             n = self._chunk(req, req.num_computed_tokens,
@@ -361,12 +364,21 @@ class World:
         handoffs, self.state_handoffs = tuple(self.state_handoffs), []
         return SchedulerOutput(self.step_no, tuple(scheduled), preempted, finished, handoffs)
 
+    @staticmethod
+    def _surely_done(req: Request) -> bool:
+        """The step in flight yields the request's last token even if it rejects every draft: vLLM schedules it no
+        more (async scheduling; in sync mode nothing is in flight when it schedules)."""
+        return req.num_placeholders > 0 and \
+            req.num_computed_tokens + 2 - req.num_placeholders >= req.num_prompt_tokens + req.max_tokens
+
     def _drafts(self, req: Request, n: int, budget: int) -> int:
-        """Draft tokens to verify after a decode token, within the budget and the request's max_tokens."""
-        if n != 1 or req.num_computed_tokens + 1 != req.num_tokens + req.num_placeholders:
+        """Draft tokens to verify after a decode token, as many as the budget leaves room for, only for a request
+        that sampled in its last step (vLLM drafts for it after that step; not after a prefill chunk, even one that
+        leaves one prompt token to compute). Its max_tokens does not bound them: the tokens sampled past it are
+        dropped (``_apply_sample``)."""
+        if n != 1 or not req.sampled_last or req.num_computed_tokens + 1 != req.num_tokens + req.num_placeholders:
             return 0
-        room = req.max_tokens - req.num_output_tokens - req.num_placeholders - 1
-        drafts = max(min(self.config.num_spec_tokens, budget - 1, room), 0)
+        drafts = max(min(self.config.num_spec_tokens, budget - 1), 0)
         self.stats["drafts"] += drafts
         return drafts
 
@@ -377,18 +389,20 @@ class World:
         s = ScheduledRequest(req.req_id, kind, None if self.grouped or ids is None else ids[0],  # type: ignore[arg-type]
                              req.num_computed_tokens, n, ids if self.grouped else None)
         known = req.num_tokens + req.num_placeholders
-        if req.num_computed_tokens < known <= req.num_computed_tokens + n:
+        req.sampled_last = req.num_computed_tokens < known <= req.num_computed_tokens + n
+        if req.sampled_last:
             req.num_placeholders += req.num_computed_tokens + n - known + 1  # the drafts and the sampled token
         req.num_computed_tokens += n
         req.num_in_flight_tokens += n
         self._commit(req, min(req.num_computed_tokens, req.num_tokens))  # drafts and placeholders are not committed
         return s
 
-    def _commit(self, req: Request, num_tokens: int) -> None:
-        """vLLM's block pool commits a request's full blocks as it schedules them, or once its load lands. The world
-        caches attention blocks once computed (``_cache_full_blocks``); a state block enters the prefix cache here,
-        and is handed to the connector by id (``state_handoffs``), the null blocks a chunk passed are not (vLLM's
-        ``MambaManager.cache_blocks``). Until the forward pass computes it, no admission starts from it."""
+    def _commit(self, req: Request, num_tokens: int, computed: bool = False) -> None:
+        """vLLM's block pool commits a request's full blocks as it schedules them, once its load lands, and (async
+        scheduling) as a step's output arrives. The world caches attention blocks once computed
+        (``_cache_full_blocks``); a state block enters the prefix cache here, and is handed to the connector by id
+        (``state_handoffs``), the null blocks a chunk passed are not (vLLM's ``MambaManager.cache_blocks``). Unless
+        it is ``computed`` already, no admission starts from it until the forward pass computes it."""
         if not self.aligned:
             return
         unit = lcm(*self.block_sizes)
@@ -397,7 +411,8 @@ class World:
             for i in range(req.num_committed_tokens // size, full // size) if group.state else ():
                 if table[i] != NULL_BLOCK:
                     self.pool.cache(table[i], self.block_hash(req.block_hashes, i, g))
-                    self.committed_states.add(table[i])
+                    if not computed:
+                        self.committed_states.add(table[i])
                     self.state_handoffs.append((req.req_id, g, table[i], (i + 1) * size))
         req.num_committed_tokens = max(req.num_committed_tokens, full)
 
@@ -440,10 +455,23 @@ class World:
             if self.config.prefix_caching else 0
         hit = [[self.pool.by_hash[self.block_hash(hashes, b, g)] if b in group.blocks_read(end, size) else NULL_BLOCK
                 for b in range(end // size)] for g, (group, size) in enumerate(zip(self.groups, self.block_sizes))]
+        req.shared_prefix_boundary = self._shared_prefix_boundary(req, hashed, end)
         num_external, is_async = self.connector.get_num_new_matched_tokens(req, end)
         req.looked_up = True
         invariants.lookup(req, end, num_external, is_async)
         return None if num_external is None else (hit, end, num_external)
+
+    def _shared_prefix_boundary(self, req: Request, hashed: int, hit: int) -> int:
+        """How far the first group vLLM looks up (full attention if there is one) alone has the prefix cached, if
+        further than the ``hit`` every group can supply; else 0 (vLLM's ``shared_prefix_boundary``, from its
+        coordinator's ``num_uncached_common_prefix_tokens``). A model with recurrent state then ends a prefill chunk
+        there, so that its state is cached too (``groups.state_chunk``)."""
+        if not self.aligned or len(self.groups) == 1 or not self.config.prefix_caching:
+            return 0
+        first = next((g for g, group in enumerate(self.groups) if group.window is None and not group.state), 0)
+        alone = longest_hit(self.groups[first:first + 1], self.block_sizes[first:first + 1], hashed,
+                            lambda _g, b: self.block_hash(req.block_hashes, b, first) in self.pool.by_hash)
+        return alone if alone > hit else 0
 
     def _allocate_with_hits(self, req: Request, budget: int, hit: list[list[int]], num_local: int,
                             num_external: int) -> bool:
@@ -462,7 +490,7 @@ class World:
         for table, group, size in zip(req.tables, self.groups, self.block_sizes):
             start = group.skipped_blocks(num_local + num_external, size) if num_external else 0
             table += [NULL_BLOCK] * (start - len(table))
-        if self._grow(req, num_local + first_step) is None:
+        if self._grow(req, num_local + first_step, first=True) is None:
             self.pool.release(held)
             req.tables = [[] for _ in self.groups]
             return False
@@ -480,23 +508,43 @@ class World:
         if not self.aligned:
             return n
         return state_chunk(start, n, req.num_prompt_tokens, req.num_tokens, lcm(*self.block_sizes),
-                           self.config.token_budget)
+                           self.config.token_budget, req.shared_prefix_boundary)
 
-    def _grow(self, req: Request, num_tokens: int) -> list[list[int]] | None:
-        """Blocks for ``num_tokens`` in every group, all or none; the new ones per group. A state group gets one
-        block, for the state at the end, and the null block at the positions before it (vLLM's align mode)."""
-        needs = [max(-(-num_tokens // size) - len(table), 0) for table, size in zip(req.tables, self.block_sizes)]
-        needs = [min(n, 1) if group.state else n for n, group in zip(needs, self.groups)]
-        new = self.pool.allocate(sum(needs))
+    def _grow(self, req: Request, num_tokens: int, first: bool = False) -> list[list[int]] | None:
+        """Blocks for ``num_tokens`` in every group, all or none; per group, what vLLM reports as new (its
+        ``new_block_ids``). ``first``: the request's first blocks since it had none (a hit's aside)."""
+        plans = [self._grow_state(table, size, num_tokens, first) if group.state else
+                 (table, max(-(-num_tokens // size) - len(table), 0))
+                 for table, size, group in zip(req.tables, self.block_sizes, self.groups)]
+        new = self.pool.allocate(sum(n for _table, n in plans))
         if new is None:
             return None
         added = []
-        for table, n, size in zip(req.tables, needs, self.block_sizes):
-            nulls = [NULL_BLOCK] * (-(-num_tokens // size) - n - len(table)) if n else []
-            added.append(nulls + new[:n])  # the null blocks are new ids too, as vLLM reports them
-            table += added[-1]
+        for table, (grown, n) in zip(req.tables, plans):
+            first_new = len(table)
+            table[:] = grown + new[:n]
+            added.append(table[first_new:])  # the null blocks and moved blocks are new ids too, as vLLM reports them
             new = new[n:]
         return added
+
+    def _grow_state(self, table: list[int], size: int, num_tokens: int, first: bool) -> tuple[list[int], int]:
+        """A state group's table for ``num_tokens``, and how many new blocks it takes (vLLM's align mode,
+        ``MambaManager.allocate_new_blocks``). The state after the last token goes in the block holding that token,
+        the null block at the positions before it that the table does not reach yet. With speculative decoding, the
+        ``num_spec_tokens`` blocks after it hold the states after each draft token (``num_speculative_blocks``); once
+        the request has blocks, those a chunk passed move to the end of the table, the null block in their place
+        (``_relocate_speculative_block``): then the table is not append-only."""
+        spec = self.config.num_spec_tokens
+        need = -(-num_tokens // size) + spec
+        if need <= len(table):
+            return table, 0
+        last = need - spec - 1  # the position of the state after the last token
+        grown = table + [NULL_BLOCK] * (last - len(table))
+        for i in range(len(table) - spec, len(table)) if not first else ():
+            if i < last:
+                grown.append(grown[i])
+                grown[i] = NULL_BLOCK
+        return grown, need - len(grown)
 
     def _free_outside_windows(self, req: Request) -> None:
         """A sliding window's blocks that no position still to compute reads go back to the pool, NULL_BLOCK in
@@ -524,7 +572,7 @@ class World:
         if drop_in_flight:
             req.drop_undelivered()
         else:
-            req.deliver(len(req.tokens) - req.num_tokens)
+            req.deliver(min(len(req.tokens) - req.num_tokens, req.max_tokens - req.num_output_tokens))
         if req.num_output_tokens >= req.max_tokens:  # its last token was in flight: it finishes, not waits
             self._finish(req, State.FINISHED)
             return
@@ -534,6 +582,7 @@ class World:
         req.num_committed_tokens = 0
         self._forget_handoffs(req)
         req.num_placeholders = req.rollback = 0
+        req.sampled_last = False  # vLLM drops its drafts
         req.state, req.resumed = State.PREEMPTED, True
         self.waiting.appendleft(req)
         self.preempted_since_step.add(req.req_id)
@@ -549,7 +598,7 @@ class World:
             drafts = max(end - known, 0)
             accepted = (known * 7 + self.step_no * 13) % (drafts + 1)  # the environment's verdict, reproducible
             inputs = req.tokens[:end] + self._draft_tokens(req, drafts, accepted)
-            self._write(req, start, end, inputs)
+            self._write(req, start, end, inputs, drafts, accepted)
             if end >= known:  # every known token is computed: the request samples
                 req.sample(accepted + 1)
                 req.rollback += drafts - accepted
@@ -568,17 +617,37 @@ class World:
         tokens = continuation(req.tokens, drafts)
         return tokens[:accepted] + [(t + 1) % 3 for t in tokens[accepted:]]
 
-    def _write(self, req: Request, start: int, end: int, inputs: list[int]) -> None:
+    def _write(self, req: Request, start: int, end: int, inputs: list[int], drafts: int, accepted: int) -> None:
+        """The forward pass writes the KV of positions ``start`` to ``end`` (the last ``drafts`` of them drafts, the
+        first ``accepted`` of those right), and a state group the states it computes."""
         bs = self.config.block_size
         hashes = req.content_hashes[:len(req.tokens) // bs]
         extend_block_hashes(inputs, bs, hashes)  # blocks holding drafts get the hash of what was really input
+
+        def content(g: int, end: int) -> int:  # what a block holds once computed up to token ``end``
+            size = self.block_sizes[g]
+            return self.kv_of(self.block_hash(hashes, end // size - 1, g)) if end % size == 0 else PARTIAL
         for g, (table, size, group) in enumerate(zip(req.tables, self.block_sizes, self.groups)):
-            for i in range((end - 1 if group.state else start) // size, -(-end // size)):  # a state: where it ends
+            writes = self._state_writes(end, drafts, accepted, size) if group.state else \
+                [(i, min(end, (i + 1) * size)) for i in range(start // size, -(-end // size))]
+            for i, upto in writes:
                 invariants.not_in_flight(self, table[i], "written by the forward pass")
                 self.window_freed.discard(table[i])
-                content = self.kv_of(self.block_hash(hashes, i, g)) if end >= (i + 1) * size else PARTIAL
                 for kv in self.kvs:
-                    kv.write(table[i], content)
+                    kv.write(table[i], content(g, upto))
+
+    def _state_writes(self, end: int, drafts: int, accepted: int, size: int) -> list[tuple[int, int]]:
+        """(position, the token its state is after) of each state block the forward pass writes, in order (vLLM's
+        align mode, ``mamba_utils``): the state after the last token before the drafts and after each draft, from
+        the block holding the first of these on (a speculative block for each draft); then, when the accepted
+        tokens reach a block boundary, the state there is copied into that boundary's block (the worker's
+        ``postprocess_mamba``): that is the state a later request may hit."""
+        known, last = end - drafts, (end - 1) // size
+        writes = [(last + j, known + j) for j in range(drafts + 1)]
+        boundary = (known + accepted) // size * size
+        if boundary >= known and (boundary // size - 1, boundary) not in writes:
+            writes.append((boundary // size - 1, boundary))
+        return writes
 
     def _worker_output(self, out: SchedulerOutput) -> tuple[WorkerOutput, set[int]]:
         """Every worker's completions, checked, then merged as vLLM's ``KVOutputAggregator`` merges them: a
@@ -706,7 +775,9 @@ class World:
         req.num_computed_tokens -= rejected
         req.num_placeholders -= rejected + sampled
         req.rollback -= rejected
-        req.deliver(sampled)
+        req.deliver(min(sampled, req.max_tokens - req.num_output_tokens))  # vLLM stops a request at max_tokens
+        if self.config.async_scheduling:  # vLLM's AsyncScheduler commits what the delivered step computed
+            self._commit(req, req.num_computed_tokens - req.num_placeholders, computed=True)
         self._cache_full_blocks(req)
         if req.num_output_tokens >= req.max_tokens:
             self.running.remove(req)

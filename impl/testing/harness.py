@@ -56,9 +56,11 @@ def make_configs(model: Path, num_blocks: int, connector: str | None, module: st
         size = group.block_size or block_size
         if size % block_size or 32 % (size // block_size):
             raise ValueError(f"a group's blocks of {size} tokens: not 1, 2, 4, ... 32 blocks of {block_size}")
-        if group.state:  # a gated delta net's conv and recurrent state, padded to the attention page (vLLM pads)
+        if group.state:  # a gated delta net's conv and recurrent state, padded to the attention page (vLLM pads),
+            # with a block for the state after each draft token (``MambaBase.get_kv_cache_spec``)
             return MambaSpec(block_size=size, shapes=((3, 16), (2, 8, 8)), dtypes=(torch.float32, torch.float32),
-                             page_size_padded=2 * size * 2 * 32 * 4, mamba_cache_mode="align")
+                             page_size_padded=2 * size * 2 * 32 * 4, mamba_cache_mode="align",
+                             num_speculative_blocks=num_spec_tokens)
         shape = dict(block_size=size, num_kv_heads=2, head_size=32 * block_size // size, dtype=torch.float32)
         if group.window is None:
             return FullAttentionSpec(**shape)  # type: ignore[arg-type]

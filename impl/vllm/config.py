@@ -182,9 +182,6 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
     shared = SharedTierConfig.parse(extra["shared_tier"]) if "shared_tier" in extra else None
     vllm_groups = kv_cache_config.kv_cache_groups
     groups = tuple(group_of(g.kv_cache_spec, i) for i, g in enumerate(vllm_groups))
-    if any(group.state for group in groups) and vllm_config.speculative_config is not None:
-        raise ConfigError("speculative decoding with a model with recurrent state (Mamba, gated delta nets) is not "
-                          "supported yet: a rejected draft rolls a state back, which the spec does not model yet")
     block_size = hash_block_size(vllm_config, kv_cache_config)
     offload = extra.get("offload_block_size", block_size)
     if offload % block_size:
@@ -206,7 +203,8 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
                   groups=groups, lookup_deadline=shared.lookup_deadline if shared else Config().lookup_deadline,
                   store_threshold=extra.get("store_threshold", 1),
                   offers_remembered=extra.get("offers_remembered", Config().offers_remembered),
-                  store_prompts_only=extra.get("store_prompts_only", False))
+                  store_prompts_only=extra.get("store_prompts_only", False),
+                  num_spec_tokens=vllm_config.num_speculative_tokens)  # what the spec refuses of it, refused
 
 
 def hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:

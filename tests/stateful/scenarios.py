@@ -90,6 +90,14 @@ HYBRID_SCENARIOS = {
                num_workers=2), delay=3, failures=True),
     "hybrid-state-only-delayed": Scenario(Config(num_gpu_blocks=16, tier_blocks=6, groups=(Group(state=True),)),
                                           delay=2),
+    # with speculative decoding: a block for the state after each draft, moved to the end of the table once a chunk
+    # passes it (vLLM's ``_relocate_speculative_block``)
+    "hybrid-state-full-spec2-delayed-failures": Scenario(
+        Config(num_gpu_blocks=28, block_size=4, offload_block_size=4, tier_blocks=8,
+               groups=(Group(state=True), Group()), num_spec_tokens=2), delay=1, failures=True),
+    "hybrid-state-w6-async-spec3-delayed": Scenario(
+        Config(num_gpu_blocks=28, block_size=4, offload_block_size=4, tier_blocks=8,
+               groups=(Group(state=True), Group(6)), async_scheduling=True, num_spec_tokens=3), delay=2),
     "hybrid-full@6-w5-full@4-tp2-no-prefix-cache": Scenario(
         Config(num_gpu_blocks=36, tier_blocks=24, groups=(Group(block_size=6), Group(5), Group(block_size=4)),
                num_workers=2, prefix_caching=False), delay=1, failures=True),

@@ -455,3 +455,27 @@ def test_a_get_that_fails_after_its_request_finished_asks_nothing_shrunk_program
     state.step(n=1)
     state.invariants_hold()
     state.teardown()
+
+
+@pytest.mark.parametrize("connector", ["reference", "impl"])
+def test_a_speculative_block_moved_to_the_end_of_a_state_table_is_not_stored_where_it_was_shrunk_program(connector):
+    """Found by Hypothesis in hybrid-state-full-spec2-delayed-failures (both connectors, SRC: 'reads GPU block 5 for
+    position 1, but the block holds other bytes'): with speculative decoding a state group holds two speculative
+    blocks after the running one; the next prefill chunk passed them, and vLLM moved the first to the end of the
+    table, the null block in its place. Both connectors append a step's new blocks to their copy of the table, kept
+    the moved block at its old place too, and stored it there as the state at the end of a block it never held.
+    Fixed: a block given again left its old place (there the engine holds the null block)."""
+    from kvoffload.impl import OffloadConnector
+    from kvoffload.impl.testing import LayeredKV
+    from kvoffload.reference import ReferenceConnector, TensorKV
+    from kvoffload.spec.kit import make_machine
+
+    from .scenarios import HYBRID_SCENARIOS
+
+    make, kv = (ReferenceConnector, TensorKV) if connector == "reference" else (OffloadConnector, LayeredKV)
+    state = make_machine(make, HYBRID_SCENARIOS["hybrid-state-full-spec2-delayed-failures"], "exact", kv)()
+    state.add_requests(batch=[([0], 1), ([1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 0, 1, 0], 1)])
+    state.step(n=3)
+    state.invariants_hold()
+    state.teardown()
+    assert state.subject.stats["blocks_stored"]

@@ -28,7 +28,7 @@ def test_a_group_that_cannot_be_read_is_one_clear_error(text):
     (dict(prefix_caching=False), "prefix_caching must be on"),
     (dict(groups=(STATE, Group(block_size=4))), "blocks of one size"),
     (dict(offload_block_size=4), "offload_block_size must equal block_size"),
-    (dict(num_spec_tokens=2), "num_spec_tokens must be 0"),
+    (dict(num_spec_tokens=2), "num_spec_tokens must be below block_size"),
 ])
 def test_what_a_model_with_state_is_refused_is_said(config, says):
     with pytest.raises(ConfigError, match=says):

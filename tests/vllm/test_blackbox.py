@@ -97,6 +97,9 @@ STATE = {  # recurrent state in vLLM's align mode: vLLM's connector stores each 
     "full-state-w4-async": Scenario(Config(num_gpu_blocks=28, tier_blocks=16, async_scheduling=True,
                                            groups=(Group(), Group(state=True), Group(4))), delay=1),
     "state-only-delayed": Scenario(Config(num_gpu_blocks=16, tier_blocks=6, groups=(Group(state=True),)), delay=2),
+    # speculative decoding: a block for the state after each draft, moved to the end of the table as chunks pass it
+    "state-full-spec2-delayed": Scenario(Config(num_gpu_blocks=28, block_size=4, offload_block_size=4, tier_blocks=8,
+                                                groups=(Group(state=True), Group()), num_spec_tokens=2), delay=1),
 }
 
 

@@ -180,10 +180,14 @@ def test_mamba_state_outside_align_mode_is_one_clear_error(model):
         config_from_vllm(vllm_config, kv_cache_config)
 
 
-def test_speculative_decoding_with_a_model_with_state_is_one_clear_error(model):
-    """Not modelled yet: refused at start-up rather than run unchecked."""
-    with pytest.raises(ConfigError, match="speculative decoding with a model with recurrent state"):
-        config_from_vllm(*make_configs(model, 32, CONNECTOR, MODULE, {}, groups=(STATE, Group()), num_spec_tokens=2))
+def test_more_drafts_than_a_state_block_holds_is_one_clear_error(model):
+    """Speculative decoding with a model with state is modelled for drafts within a block (the spec's Config says
+    why); more are refused at start-up rather than run unchecked. Fewer run."""
+    assert config_from_vllm(*make_configs(model, 32, CONNECTOR, MODULE, {}, groups=(STATE, Group()),
+                                          num_spec_tokens=2)).num_spec_tokens == 2
+    with pytest.raises(ConfigError, match=f"num_spec_tokens must be below block_size, got {BLOCK_SIZE} and "):
+        config_from_vllm(*make_configs(model, 32, CONNECTOR, MODULE, {}, groups=(STATE, Group()),
+                                       num_spec_tokens=BLOCK_SIZE))
 
 
 def test_hashes_finer_than_every_groups_blocks_are_one_clear_error(model):

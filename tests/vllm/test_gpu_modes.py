@@ -57,7 +57,8 @@ def test_engine_mode(model, scheduling, spec_tokens, workers, seed, record_prope
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("groups", [(Group(40), Group()), (Group(), Group(24), Group(56)), (Group(40),),
-                                    (Group(40, block_size=32), Group()), (Group(), Group(block_size=32), Group(24))],
+                                    (Group(40, block_size=32), Group()), (Group(), Group(block_size=32), Group(24)),
+                                    (Group(state=True), Group())],
                          ids=lambda groups: ",".join(map(str, groups)))
 @pytest.mark.parametrize("mode", ["sync", "async-spec3-tp2"])
 def test_hybrid_model(model, mode, groups, seed, record_property):
@@ -118,7 +119,7 @@ def test_the_monitor_still_catches_a_drifted_table_after_a_failed_load(model):
     still reported, for the request whose load failed too."""
     engine, a = failed_load_engine(model)
     b = "req-1"  # the long request, running
-    for side in (engine.connector.offload.requests[b].block_tables[0], engine.connector.shadow.spec.block_tables[b]):
+    for side in (engine.connector.offload.requests[b].block_tables[0], engine.connector.shadow.spec.block_tables[b][0]):
         side.append(99)  # both connectors drift alike, so only the engine's own table can tell
     engine.step()
     assert any(f"request {b}: engine block table" in d for d in engine.connector.shadow.divergences)

@@ -116,7 +116,8 @@ def test_a_chunk_ends_where_vllm_ends_it_for_a_model_with_state(aligned_schedule
     start = data.draw(st.one_of(st.integers(0, (num_tokens - 1) // size).map(lambda block: block * size),
                                 st.integers(0, num_tokens - 1)), label="start")  # on a boundary, or anywhere
     n = data.draw(st.integers(1, min(budget, num_tokens - start)), label="n")
-    assert_chunk_is_vllms(scheduler, size, budget, prompt, outputs, start, n)
+    junction = data.draw(st.one_of(st.just(0), st.integers(1, num_tokens)), label="shared prefix boundary")
+    assert_chunk_is_vllms(scheduler, size, budget, prompt, outputs, start, n, junction)
 
 
 def test_a_block_wider_than_the_budget_is_prefilled_in_pieces_as_vllm_does_shrunk_example(aligned_schedulers):
@@ -125,7 +126,8 @@ def test_a_block_wider_than_the_budget_is_prefilled_in_pieces_as_vllm_does_shrun
     assert_chunk_is_vllms(aligned_schedulers[32, 24], 32, 24, prompt=1, outputs=2, start=0, n=1)
 
 
-def assert_chunk_is_vllms(scheduler, size: int, budget: int, prompt: int, outputs: int, start: int, n: int) -> None:
+def assert_chunk_is_vllms(scheduler, size: int, budget: int, prompt: int, outputs: int, start: int, n: int,
+                          junction: int = 0) -> None:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
@@ -135,14 +137,17 @@ def assert_chunk_is_vllms(scheduler, size: int, budget: int, prompt: int, output
     request = Request("r", list(range(prompt)), SamplingParams(max_tokens=100), None)
     request.append_output_token_ids(list(range(outputs)))
     request.num_computed_tokens = start
-    assert state_chunk(start, n, prompt, request.num_tokens, size, budget) == \
+    request.shared_prefix_boundary = junction
+    assert state_chunk(start, n, prompt, request.num_tokens, size, budget, junction) == \
         scheduler._mamba_block_aligned_split(request, n)
 
 
 def side_by_side(tmp_path: Path, groups: tuple[Group, ...], budget: int, batches: list[list[list[int]]],
-                 async_scheduling: bool = False) -> dict[str, int]:
+                 async_scheduling: bool = False, num_spec_tokens: int = 0) -> dict[str, int]:
     """vLLM's real Scheduler (no connector) and the world run the same requests, a batch added once the one before
     it finished, each step's output reaching both at once (or one step late: async scheduling, ``AsyncScheduler``).
+    With ``num_spec_tokens``, every decoding request is given that many drafts after each step (sync; async: the
+    scheduler schedules them itself), and vLLM accepts as many as the world did.
     After each step, both scheduled the same tokens of each request, handed the connector the same state blocks by
     id (vLLM's ``boundary_state_offloads``: same request, group and position, each block at that position of its
     request's table), and hold a block where the other holds one and the null block where it holds its null
@@ -150,7 +155,7 @@ def side_by_side(tmp_path: Path, groups: tuple[Group, ...], budget: int, batches
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request
 
     from kvoffload.impl.testing.demo import build_tiny_llama
@@ -161,35 +166,42 @@ def side_by_side(tmp_path: Path, groups: tuple[Group, ...], budget: int, batches
     size = 16
     real = make_scheduler(build_tiny_llama(tmp_path / "tiny-llama"), 64, None, None, {},
                           max_num_batched_tokens=budget, max_num_seqs=8, async_scheduling=async_scheduling,
+                          num_spec_tokens=num_spec_tokens,
                           groups=tuple(Group(block_size=size, state=g.state, window=g.window) for g in groups))
     config = Config(num_gpu_blocks=64, block_size=size, offload_block_size=size, tier_blocks=2, token_budget=budget,
-                    groups=groups, async_scheduling=async_scheduling)
+                    groups=groups, async_scheduling=async_scheduling, num_spec_tokens=num_spec_tokens)
     world = World(config, SpecConnector(config), ListKV(64), Executor(0), grouped=len(groups) > 1)
     init_none_hash(sha256)
-    hasher, counts = get_request_block_hasher(size, sha256), {"steps": 0, "handed_off": 0}
+    hasher, counts = get_request_block_hasher(size, sha256), dict.fromkeys(
+        ("steps", "handed_off", "drafts", "moved", "junction_steps"), 0)
+    held: dict[tuple[str, int], list[int]] = {}
     managers = real.kv_cache_manager.coordinator.single_type_managers
     drained: list[dict] = []
     take = real.kv_cache_manager.take_boundary_state_offloads
     real.kv_cache_manager.take_boundary_state_offloads = lambda: drained.append(take()) or drained[-1]
+    ours_of = {}  # vLLM's request id -> the world's request
     for batch in batches:
         for prompt in batch:
-            real.add_request(Request(f"v{len(world.requests)}", prompt, SamplingParams(max_tokens=36), None,
-                                     block_hasher=hasher))
-            world.add_request(prompt, max_tokens=36)
+            req_id = f"v{len(ours_of)}"
+            real.add_request(Request(req_id, prompt, SamplingParams(max_tokens=36), None, block_hasher=hasher))
+            ours_of[req_id] = world.add_request(prompt, max_tokens=36)
         late: list = []  # the outputs the real scheduler has not had yet
         while real.requests:
             out = real.schedule()
             ids = [r.req_id for r in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
-            sampled = [[5] if real.requests[i].num_computed_tokens >= real.requests[i].num_tokens else [] for i in ids]
+            order = {req_id: n for ids in (real.requests, world.requests) for n, req_id in enumerate(ids)}
+            sampled_before = {i: len(ours_of[i].tokens) for i in ids}
+            ours = world.step()
+            sampled = [[5] * (len(ours_of[i].tokens) - sampled_before[i]) for i in ids]  # drafts the world accepted
             late.append((out, ModelRunnerOutput(req_ids=ids, req_id_to_index={i: n for n, i in enumerate(ids)},
                                                 sampled_token_ids=sampled)))
-            order = {req_id: n for ids in (real.requests, world.requests) for n, req_id in enumerate(ids)}
-            ours = world.step()
+            counts["drafts"] += sum(map(len, out.scheduled_spec_decode_tokens.values()))
             assert sorted((order[i], n) for i, n in out.num_scheduled_tokens.items()) == \
-                sorted((order[s.req_id], s.num_scheduled_tokens) for s in ours.scheduled), ours
+                sorted((order[s.req_id], s.num_scheduled_tokens) for s in ours.scheduled), (out, ours)
             assert sorted((order[req_id], g, tokens) for req_id, entries in drained[-1].items()
                           for g, _block, tokens in entries) == \
-                sorted((order[req_id], g, tokens) for req_id, g, _block, tokens in ours.state_handoffs), ours
+                sorted((order[req_id], g, tokens) for req_id, g, _block, tokens in ours.state_handoffs), \
+                (drained[-1], ours)
             for req_id, entries in drained[-1].items():
                 assert all(managers[g].req_to_blocks[req_id][tokens // size - 1].block_id == block
                            for g, block, tokens in entries)
@@ -199,11 +211,20 @@ def side_by_side(tmp_path: Path, groups: tuple[Group, ...], budget: int, batches
             counts["handed_off"] += len(ours.state_handoffs)
             if len(late) > async_scheduling or not real.requests:
                 real.update_from_output(*late.pop(0))
+            if num_spec_tokens and not async_scheduling:  # the proposer's drafts (async: vLLM schedules them itself)
+                decoding = [r for r in real.requests.values() if not r.is_prefill_chunk]
+                real.update_draft_token_ids(DraftTokenIds([r.request_id for r in decoding],
+                                                          [[5] * num_spec_tokens for _ in decoding]))
             for (req_id, request), req in zip(real.requests.items(), world.requests.values()):
+                assert request.shared_prefix_boundary == req.shared_prefix_boundary, (req_id, req.num_computed_tokens)
+                counts["junction_steps"] += request.shared_prefix_boundary > 0
                 for g, manager in enumerate(managers):
                     theirs = [b.block_id for b in manager.req_to_blocks[req_id]]
                     assert [b == 0 for b in theirs] == [b == -1 for b in req.tables[g]], \
                         (req_id, g, request.num_computed_tokens, theirs, req.tables[g])
+                    before = held.get((req_id, g), [])  # a block held before, now further on: it moved
+                    counts["moved"] += len(set(theirs[len(before):]) & set(before) - {0})
+                    held[req_id, g] = theirs
             counts["steps"] += 1
     return counts | {"engine_hit_blocks": world.stats["engine_hit_blocks"]}
 
@@ -218,6 +239,32 @@ def test_a_state_group_holds_the_blocks_vllm_holds(tmp_path, async_scheduling):
     counts = side_by_side(tmp_path, (STATE, Group(), Group(window=20)), 40,  # chunks of two blocks: a state each
                           [[first], [first[:64] + [2] * 30], [first[:32] + [1] * 20]], async_scheduling)
     assert counts["steps"] > 40 and counts["handed_off"] > 10 and counts["engine_hit_blocks"] > 0
+
+
+@pytest.mark.parametrize("num_spec_tokens, async_scheduling", [(1, False), (3, False), (2, True)],
+                         ids=["spec1", "spec3", "spec2-async"])
+def test_a_state_group_moves_its_speculative_blocks_as_vllm_does(tmp_path, num_spec_tokens, async_scheduling):
+    """With speculative decoding a state group holds, after the block of the running state, a block for the state
+    after each draft token (``num_speculative_blocks``); a chunk that passes them moves them to the end of the table,
+    the null block in their place (``_relocate_speculative_block``). The world's tables, hand-offs and hits are
+    vLLM's, step by step, while drafts are accepted and rejected; under async scheduling vLLM schedules every draft
+    (placeholders) and commits the states a step computed as its output arrives."""
+    first = [i % 3 for i in range(100)]
+    counts = side_by_side(tmp_path, (STATE, Group(), Group(window=20)), 40,
+                          [[first], [first[:64] + [2] * 30], [first[:80] + [1] * 40]], async_scheduling,
+                          num_spec_tokens)
+    assert counts["drafts"] > 60 and counts["moved"] > 1 and counts["handed_off"] > 10
+    assert counts["engine_hit_blocks"] > 0
+
+
+def test_a_chunk_stops_where_a_shared_prefix_stops_being_cached(tmp_path):
+    """A prompt sharing 80 tokens with one computed before it hits the state at 64 only (the state at 80 was never
+    computed), while the attention blocks reach 80. vLLM notes where (``shared_prefix_boundary``, from
+    ``num_uncached_common_prefix_tokens``) and ends the chunk there, so that the state at 80 is cached for the
+    next prompt sharing it. The world without this ran the chunk to 96 (scheduled 32 tokens, vLLM 16)."""
+    first = [i % 3 for i in range(100)]
+    counts = side_by_side(tmp_path, (STATE, Group()), 40, [[first], [first[:80] + [1] * 40], [first[:80] + [2] * 9]])
+    assert counts["junction_steps"] > 0 and counts["engine_hit_blocks"] > 0
 
 
 def test_no_request_starts_from_a_state_not_computed_yet(tmp_path):
