@@ -158,6 +158,10 @@ def group_of(spec: Any, index: int) -> Group:
             raise ConfigError(f"KV cache group {index} holds Mamba state in mamba_cache_mode={spec.mamba_cache_mode!r}"
                               ": KVOffloadConnector offloads it in 'align' mode only, where each block holds the "
                               "state at its end (--mamba-cache-mode align, with prefix caching)")
+        if spec.num_prefill_checkpoint_blocks:
+            raise ConfigError(f"KV cache group {index} saves checkpoints of its state inside prefill chunks "
+                              "(num_prefill_checkpoint_blocks, as vLLM's Mamba2 layers do): not supported yet, the "
+                              "spec does not model where those states go")
         return Group(block_size=spec.block_size, state=True)
     specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
     attention = all(isinstance(s, (SlidingWindowSpec, FullAttentionSpec)) for s in specs)

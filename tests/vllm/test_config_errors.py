@@ -180,6 +180,17 @@ def test_mamba_state_outside_align_mode_is_one_clear_error(model):
         config_from_vllm(vllm_config, kv_cache_config)
 
 
+def test_prefill_checkpoints_of_a_state_are_one_clear_error(model):
+    """vLLM's Mamba2 layers (Nemotron-H, Granite 4, Falcon-H1, Bamba) save a state inside a prefill chunk, in a block
+    of their own (``num_prefill_checkpoint_blocks``): not modelled yet, so refused at start-up."""
+    vllm_config, kv_cache_config = make_configs(model, 32, CONNECTOR, MODULE, {}, groups=(STATE, Group()))
+    group = kv_cache_config.kv_cache_groups[0]
+    kv_cache_config.kv_cache_groups[0] = replace(group, kv_cache_spec=replace(group.kv_cache_spec,
+                                                                              num_prefill_checkpoint_blocks=1))
+    with pytest.raises(ConfigError, match="KV cache group 0 saves checkpoints of its state inside prefill chunks"):
+        config_from_vllm(vllm_config, kv_cache_config)
+
+
 def test_more_drafts_than_a_state_block_holds_is_one_clear_error(model):
     """Speculative decoding with a model with state is modelled for drafts within a block (the spec's Config says
     why); more are refused at start-up rather than run unchecked. Fewer run."""
