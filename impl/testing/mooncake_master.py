@@ -81,6 +81,12 @@ class MooncakeMaster:
     def kill(self) -> None:
         _kill(self.process)
 
+    def kill_nodes(self) -> None:
+        """Every store node dies, and the pool's memory with it (the master still names their objects)."""
+        for node in self.nodes:
+            _kill(node)
+        self.nodes.clear()
+
     def freeze(self) -> None:
         assert self.process is not None
         os.kill(self.process.pid, signal.SIGSTOP)

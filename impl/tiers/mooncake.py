@@ -53,7 +53,8 @@ PREFIX = "kvoffload"
 # Mooncake's error codes (mooncake-store's types.h) that the counters name; any other is counted by its number
 REACH_TIMEOUT = 2.0  # seconds the master and the metadata server may take to accept a connection at start-up
 logger = logging.getLogger("kvoffload.tiers.mooncake")
-ERRORS = {-704: "missing", -706: "leased", -600: "too_large", -900: "rpc", -901: "timeout", -10: "buffer"}
+ERRORS = {-704: "missing", -706: "leased", -600: "too_large", -900: "rpc", -901: "timeout", -10: "buffer",
+          -200: "pool_full", -800: "transfer", -703: "not_ready"}
 
 
 @frozen

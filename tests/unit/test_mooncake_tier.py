@@ -1,7 +1,7 @@
 """The Mooncake tier against a real ``mooncake_master`` on loopback ports, its client in this process (over TCP):
 records come back whole, the first writer wins, another namespace never reads a record, a damaged object is
 refused, counted and removed, and a master that is killed or frozen costs a miss or a dropped write, never a wrong
-byte and never a wait past the timeout."""
+byte and never a wait past the timeout; so does a killed store node, and a full pool evicts or refuses."""
 
 import os
 import time
@@ -121,6 +121,42 @@ def test_a_killed_master_is_a_miss_and_a_dropped_write_then_serves_again_after_i
         time.sleep(0.2)
     print(f"stored again {time.monotonic() - began:.1f} s after the restart")
     assert read(engine) == payload(3)
+
+
+def test_a_killed_store_node_is_a_miss_and_a_dropped_write_until_another_node_lends_memory(master):
+    """The store node holding the pool's memory dies: the master still names its objects, but reading one fails
+    (Mooncake's TRANSFER_FAIL): a miss, counted, never another record's bytes; a write is placed in the dead node's
+    memory, fails the same way and is dropped. Once a node lends memory again, writes are stored."""
+    engine = tier(master)
+    engine.put([(KEY, payload(1)), (5, payload(2))])
+    master.kill_nodes()
+    assert read(engine) is None and read(engine, 5) is None and engine.counters["errors_transfer"] == 2
+    assert engine.put([(6, payload(3))]) == ["dropped:transfer"] and read(engine, 6) is None
+    assert not any(name.startswith("quarantined") for name in engine.counters)
+    master.add_node()
+    began = time.monotonic()
+    while engine.put([(6, payload(3))]) != ["stored"]:
+        assert time.monotonic() - began < 30
+        time.sleep(0.2)
+    assert read(engine, 6) == payload(3)
+
+
+def test_a_full_pool_evicts_old_records_and_drops_writes_and_serves_nothing_wrong():
+    """More records than the pool holds (a 16 MiB node, records of 256 KiB): the master evicts the least recently
+    used objects and refuses puts while it is full (NO_AVAILABLE_HANDLE); an evicted record is a miss. Every read
+    is the record's own bytes or a miss, and every refusal is counted."""
+    size = 256 << 10
+    records = {i.to_bytes(32, "big"): bytes([i % 251]) * size for i in range(120)}
+    with MooncakeMaster(lease_ms=50, node_bytes=16 << 20) as small:
+        engine = MooncakeTier(settings(small), NS, size)
+        written = [outcome for key, value in records.items() for outcome in engine.put([(key, value)])]
+        buffer = bytearray(size)
+        read_back = [bytes(buffer) if engine.get([key], [memoryview(buffer)])[0] else None for key in records]
+    assert written.count("stored") < len(records) and set(written) == {"stored", "dropped:pool_full"}
+    assert engine.counters["dropped_pool_full"] == written.count("dropped:pool_full")
+    assert all(got in (None, value) for got, value in zip(read_back, records.values()))
+    assert 0 < sum(got is not None for got in read_back) <= written.count("stored")
+    print(f"{written.count('stored')} of {len(records)} stored, {sum(got is not None for got in read_back)} read back")
 
 
 def test_a_frozen_master_costs_a_lookup_its_deadline_and_a_read_its_timeout_never_more(master):
