@@ -49,6 +49,25 @@ def wait(answer, limit=5.0):
     return answer.result()
 
 
+def frozen_store_costs_its_timeout(engine: SharedTier, store, limit: float, dropped: str) -> None:
+    """A store that stops answering (``store.freeze()``) costs a lookup its deadline and a read or write the tier's
+    timeout (a read under ``limit`` seconds), each counted, never a wrong byte; thawed, it serves again."""
+    engine.put([(KEY, payload(1))])
+    store.freeze()
+    try:
+        answer = engine.ask([KEY])
+        time.sleep(0.1)
+        assert not answer.done() and answer.waited() >= 0.1  # the connector gives up here, at its deadline
+        began = time.monotonic()
+        assert read(engine) is None
+        assert time.monotonic() - began < limit and engine.counters["errors_timeout"] >= 1
+        assert engine.put([(5, payload(2))]) == [dropped]
+        assert wait(answer) == [False]  # the check itself ends at the timeout
+    finally:
+        store.thaw()
+    assert read(engine) == payload(1)  # a fresh call: no late reply is taken for this one
+
+
 def test_a_record_comes_back_and_a_second_put_writes_nothing(tmp_path, tier_class=FileTier):
     tier = tier_class(tmp_path, NS, PAYLOAD)
     assert tier.put([(KEY, payload(1)), (5, payload(2))]) == ["stored", "stored"]

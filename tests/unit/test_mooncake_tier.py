@@ -13,7 +13,7 @@ from kvoffload.impl.testing.mooncake_master import MooncakeMaster
 from kvoffload.impl.tiers import TierError
 
 from ..conftest import needs_mooncake
-from .test_fs_tier import KEY, NS, OTHER_NAMESPACES, PAYLOAD, payload, read, wait
+from .test_fs_tier import KEY, NS, OTHER_NAMESPACES, PAYLOAD, frozen_store_costs_its_timeout, payload, read, wait
 
 # Mooncake's client reads its call timeout from the environment, once per process, which only an operator (or a test)
 # sets: 300 ms here, for the killed and frozen master's tests.
@@ -160,21 +160,7 @@ def test_a_full_pool_evicts_old_records_and_drops_writes_and_serves_nothing_wron
 
 
 def test_a_frozen_master_costs_a_lookup_its_deadline_and_a_read_its_timeout_never_more(master):
-    engine = tier(master)
-    engine.put([(KEY, payload(1))])
-    master.freeze()
-    try:
-        answer = engine.ask([KEY])
-        time.sleep(0.1)
-        assert not answer.done() and answer.waited() >= 0.1  # the connector gives up here, at its deadline
-        began = time.monotonic()
-        assert read(engine) is None
-        assert time.monotonic() - began < 1.5 and engine.counters["errors_timeout"] >= 1
-        assert engine.put([(5, payload(2))])[0].startswith("dropped:")
-        assert wait(answer) == [False]  # the check itself ends at the timeout
-    finally:
-        master.thaw()
-    assert read(engine) == payload(1)
+    frozen_store_costs_its_timeout(tier(master), master, 1.5, "dropped:timeout")
 
 
 def test_a_master_or_metadata_server_that_cannot_be_reached_is_a_clear_error_that_names_the_key(master):

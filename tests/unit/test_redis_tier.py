@@ -17,7 +17,8 @@ from kvoffload.impl.tiers import TierError  # noqa: E402
 from kvoffload.impl.tiers.redis import RedisSettings, RedisTier  # noqa: E402
 
 from ..conftest import needs_redis_server  # noqa: E402
-from .test_fs_tier import KEY, NS, OTHER_NAMESPACES, PAYLOAD, payload, read, wait  # noqa: E402
+from .test_fs_tier import (KEY, NS, OTHER_NAMESPACES, PAYLOAD, frozen_store_costs_its_timeout, payload,  # noqa: E402
+                           read, wait)
 
 
 @pytest.fixture
@@ -140,21 +141,7 @@ def test_records_written_before_a_sigkill_come_back_whole_from_a_persistent_serv
 
 
 def test_a_frozen_server_costs_a_lookup_its_deadline_and_a_read_its_timeout_never_more(server):
-    engine = tier(server, timeout=0.3)
-    engine.put([(KEY, payload(1))])
-    server.freeze()
-    try:
-        answer = engine.ask([KEY])
-        time.sleep(0.1)
-        assert not answer.done() and answer.waited() >= 0.1  # the connector gives up here, at its deadline
-        began = time.monotonic()
-        assert read(engine) is None
-        assert time.monotonic() - began < 1.0 and engine.counters["errors_timeout"] >= 1
-        assert engine.put([(5, payload(2))]) == ["dropped:timeout"]
-        assert wait(answer) == [False]  # the check itself ends at the timeout
-    finally:
-        server.thaw()
-    assert read(engine) == payload(1)  # a fresh connection: no late reply is taken for this one
+    frozen_store_costs_its_timeout(tier(server, timeout=0.3), server, 1.0, "dropped:timeout")
 
 
 def test_a_wrong_password_is_a_clear_error_at_start_up_that_names_the_key(server):
