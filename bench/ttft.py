@@ -10,22 +10,27 @@ recompute's, and every prefix-cache reset against vLLM's answer. Last line, at `
 ttft_putting_vs_recompute=…``.
 Goals at 2048 tokens: a CPU-tier hit ≤ 0.05 × recompute and ≤ 1.1 × the engine's own hit; a shared-tier hit
 ≤ 0.2 × recompute. With ``--redis``, the shared tier on a Redis server (a real redis-server on a loopback port) as
-well: ``ttft_redis_vs_recompute=… ttft_redis_vs_tier=…`` join the last line. With ``--hybrid``, a hybrid
+well: ``ttft_redis_vs_recompute=… ttft_redis_vs_tier=…`` join the last line; with ``--mooncake``, on a Mooncake
+Store pool (a real master and store node on loopback ports): ``ttft_mooncake_vs_recompute=…
+ttft_mooncake_vs_tier=…``. With ``--hybrid``, a hybrid
 linear-attention model of the same size (Qwen3-Next style: gated delta nets with recurrent state, and attention) at
 ``--hybrid-lengths`` (multiples of its 256-token blocks), recompute, its own hit and a CPU-tier hit taking turns as
 above: ``ttft_hybrid_tier_vs_recompute=… ttft_hybrid_tier_vs_gpu_hit=…`` (at the longest) join the last line.
 
-    python bench/ttft.py [--lengths 512 1024 2048 4096] [--docs 4] [--at 2048] [--redis] [--hybrid]
+    python bench/ttft.py [--lengths 512 1024 2048 4096] [--docs 4] [--at 2048] [--redis] [--mooncake] [--hybrid]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
-from kvoffload.impl.testing.ttft import (REDIS_WAYS, build_prefill_llama, build_prefill_qwen3_next, medians,
+from kvoffload.impl.testing.ttft import (STORES, build_prefill_llama, build_prefill_qwen3_next, medians,
                                          mismatches, paired, run_ways)
 
 
@@ -37,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--at", type=int, default=2048, help="the length the last line reports")
     parser.add_argument("--model-dir", type=Path, default=Path(".cache/prefill-llama"))
     parser.add_argument("--redis", action="store_true", help="a Redis hit too (needs redis-server)")
+    parser.add_argument("--mooncake", action="store_true", help="a Mooncake Store hit too (needs kvoffload[mooncake])")
     parser.add_argument("--hybrid", action="store_true", help="a hybrid linear-attention model's hits too")
     parser.add_argument("--hybrid-lengths", type=int, nargs="+", default=[512, 1024, 2048],
                         help="its document lengths (multiples of 256)")
@@ -51,13 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = run_ways(("none", "tier"), model, args.lengths, args.docs)  # taking turns
         for way in ("writer", "shared"):  # one after the other: the reader starts on what the writer left
             runs |= run_ways((way,), model, args.lengths, args.docs, fs)
-    if args.redis:
-        from kvoffload.impl.testing.redis_server import PASSWORD, USER, RedisServer
-
-        with RedisServer() as server:
-            redis = {"backend": "redis", "url": server.url, "username": USER, "password": PASSWORD}
-            for way in REDIS_WAYS:
-                runs |= run_ways((way,), model, args.lengths, args.docs, redis)
+    stores = [store for store in STORES if getattr(args, store)]
+    for store in stores:
+        with shared_store(store) as shared:
+            for way in (f"{store}_writer", store):
+                runs |= run_ways((way,), model, args.lengths, args.docs, shared)
     ttft = medians(runs)
     print(f"\n{'tokens':>7} {'recompute':>10} {'gpu hit':>8} {'cpu tier':>9} {'shared':>8} {'storing':>8} "
           f"{'putting':>8}   {'tier/recomp':>11} {'tier/gpu':>8} {'shared/recomp':>13}   (ms, medians of {args.docs})")
@@ -74,24 +78,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"connector, CPU-tier engine: {runs['tier']['stats']}")
     print(f"connector, writing engine: {runs['writer']['stats']}")
     print(f"connector, shared-tier engine: {runs['shared']['stats']}")
-    at, redis_figures = args.at, ""
-    if args.redis:
-        print(f"\n{'tokens':>7} {'redis hit':>10} {'putting':>8}   {'redis/recomp':>12} {'redis/tier':>10}")
+    at, store_figures = args.at, ""
+    for store in stores:
+        print(f"\n{'tokens':>7} {store + ' hit':>13} {'putting':>8}   {store + '/recomp':>15} {store + '/tier':>13}")
         for n in args.lengths:
-            hit, putting = ttft[f"redis_tier/{n}"], ttft[f"redis_recompute_putting/{n}"]
-            print(f"{n:>7} {hit * 1e3:>10.1f} {putting * 1e3:>8.1f}   {hit / ttft[f'recompute/{n}']:>12.3f} "
-                  f"{hit / ttft[f'cpu_tier/{n}']:>10.2f}")
-        print(f"connector, Redis reader: {runs['redis']['stats']}")
-        redis_figures = (f" ttft_redis_vs_recompute={ttft[f'redis_tier/{at}'] / ttft[f'recompute/{at}']:.3f}"
-                         f" ttft_redis_vs_tier={ttft[f'redis_tier/{at}'] / ttft[f'cpu_tier/{at}']:.3f}")
+            hit, putting = ttft[f"{store}_tier/{n}"], ttft[f"{store}_recompute_putting/{n}"]
+            print(f"{n:>7} {hit * 1e3:>13.1f} {putting * 1e3:>8.1f}   {hit / ttft[f'recompute/{n}']:>15.3f} "
+                  f"{hit / ttft[f'cpu_tier/{n}']:>13.2f}")
+        print(f"connector, {store} reader: {runs[store]['stats']}")
+        store_figures += (f" ttft_{store}_vs_recompute={ttft[f'{store}_tier/{at}'] / ttft[f'recompute/{at}']:.3f}"
+                          f" ttft_{store}_vs_tier={ttft[f'{store}_tier/{at}'] / ttft[f'cpu_tier/{at}']:.3f}")
     hybrid_figures, hybrid_wrong = hybrid(args) if args.hybrid else ("", [])
     print(f"ttft_tier_vs_recompute={paired(runs, 'cpu_tier', 'recompute', at):.3f} "
           f"ttft_tier_vs_gpu_hit={paired(runs, 'cpu_tier', 'gpu_hit', at):.3f} "
           f"ttft_shared_vs_recompute={ttft[f'shared_tier/{at}'] / ttft[f'recompute/{at}']:.3f} "
           f"ttft_storing_vs_recompute={ttft[f'recompute_storing/{at}'] / ttft[f'recompute/{at}']:.3f} "
           f"ttft_putting_vs_recompute={ttft[f'recompute_putting/{at}'] / ttft[f'recompute/{at}']:.3f}"
-          + redis_figures + hybrid_figures)
+          + store_figures + hybrid_figures)
     return 1 if wrong or hybrid_wrong else 0
+
+
+@contextmanager
+def shared_store(store: str) -> Iterator[dict[str, Any]]:
+    """A real server of the named backend on loopback ports, for the run: the ``shared_tier`` entry reaching it."""
+    if store == "redis":
+        from kvoffload.impl.testing.redis_server import PASSWORD, USER, RedisServer
+
+        with RedisServer() as server:
+            yield {"backend": "redis", "url": server.url, "username": USER, "password": PASSWORD}
+        return
+    from kvoffload.impl.testing.mooncake_master import MooncakeMaster
+
+    os.environ.setdefault("MC_RPC_TIMEOUT_MS", "1000")  # the engines' Mooncake calls, bounded as an operator would
+    with MooncakeMaster(node_bytes=1 << 30) as master:
+        yield master.settings()
 
 
 def hybrid(args: argparse.Namespace) -> tuple[str, list[str]]:

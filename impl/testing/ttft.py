@@ -14,8 +14,8 @@ and ``tier`` take turns, document by document (``run_ways``), so that a hit and 
     cold (recompute while storing it into both, the records fsynced into the directory).
   * ``shared``: a new engine on the writer's directory, its CPU tier empty: the first question (a **shared-tier
     hit**: records got from the directory into the CPU tier, then loaded).
-  * ``redis_writer`` and ``redis``: the same two, the shared tier on a Redis server instead of a directory (a
-    **Redis hit**).
+  * ``redis_writer`` and ``redis``, ``mooncake_writer`` and ``mooncake``: the same two, the shared tier on a Redis
+    server or a Mooncake Store pool instead of a directory (a **Redis hit**, a **Mooncake hit**).
 
 Every hit's first token is compared with recompute's for the same prompt. Time to first token is the wall time of
 a ``generate`` call with ``max_tokens=1``: what the caller waits for, the engine's extra steps included.
@@ -37,8 +37,9 @@ from .engine_process import EngineProcess, answer_each
 PREFILL_LLAMA: dict[str, Any] = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
 QUESTION = 17  # tokens after the document: never a whole block, so the document is the part a cache can serve
-REDIS_WAYS = ("redis_writer", "redis")
-SHARED_KIND = {"shared": "shared_tier", "redis": "redis_tier"}  # a way that reads a shared tier: what its hit is
+STORES = ("redis", "mooncake")  # the shared tier's backends besides a directory: ways "<store>_writer" and "<store>"
+# a way that reads a shared tier: what its hit is
+SHARED_KIND = {"shared": "shared_tier", **{store: f"{store}_tier" for store in STORES}}
 
 
 def build_prefill_llama(path: Path) -> Path:

@@ -28,8 +28,9 @@ BENCHMARKS = {
     "sched_shared.py": (["--steps", "5", "--live", "16"], ["sched_shared_tier_vs_off"]),
     "sched_vs_vllm.py": (["--steps", "5", "--live", "16"], ["sched_ratio_vs_vllm"]),
     "shadow_overhead.py": (["--requests", "4", "--rounds", "1"], ["shadow_overhead"]),
-    "ttft.py": (["--lengths", "64", "--docs", "1", "--at", "64", "--hybrid", "--hybrid-lengths", "256"],
-                ["ttft_tier_vs_recompute", "ttft_tier_vs_gpu_hit", "ttft_hybrid_tier_vs_gpu_hit"]),
+    "ttft.py": (["--lengths", "64", "--docs", "1", "--at", "64", "--hybrid", "--hybrid-lengths", "256", "--mooncake"],
+                ["ttft_tier_vs_recompute", "ttft_tier_vs_gpu_hit", "ttft_hybrid_tier_vs_gpu_hit",
+                 "ttft_mooncake_vs_recompute"]),
 }
 
 
@@ -42,7 +43,7 @@ def test_the_benchmark_runs_at_a_tiny_size(script, tmp_path):
     args, figures = BENCHMARKS[script]
     if script == "redis_tier.py":
         needs_redis_server()
-    if script == "mooncake_tier.py":
+    if script in ("mooncake_tier.py", "ttft.py"):
         needs_mooncake()
     if script == "gpu_check.py":
         args = [*args, "--out", str(tmp_path)]
