@@ -116,10 +116,10 @@ class Config:
                               f"offload_block_size must equal block_size, got {self.offload_block_size} and "
                               f"{self.block_size}")
         if self.num_spec_tokens >= self.block_size:
-            raise ConfigError("with a state group a decode step's drafts stay within two blocks (vLLM's align mode "
-                              "gives a state block hundreds of tokens; with more drafts than a block holds it copies a "
-                              "boundary's state where its table holds the null block): num_spec_tokens must be below "
-                              f"block_size, got {self.num_spec_tokens} and {self.block_size}")
+            raise ConfigError(f"with a state group, num_spec_tokens must be below block_size, got "
+                              f"{self.num_spec_tokens} and {self.block_size}: vLLM's align mode gives a state block "
+                              "hundreds of tokens; with more drafts than a block holds, vLLM copies a boundary's state "
+                              "to a position its table holds the null block at, which the spec does not model")
 
     @property
     def hybrid(self) -> bool:

@@ -512,7 +512,7 @@ class World:
 
     def _grow(self, req: Request, num_tokens: int, first: bool = False) -> list[list[int]] | None:
         """Blocks for ``num_tokens`` in every group, all or none; per group, what vLLM reports as new (its
-        ``new_block_ids``). ``first``: the request's first blocks since it had none (a hit's aside)."""
+        ``new_block_ids``). ``first``: the request holds no blocks of its own yet (a hit's at most)."""
         plans = [self._grow_state(table, size, num_tokens, first) if group.state else
                  (table, max(-(-num_tokens // size) - len(table), 0))
                  for table, size, group in zip(req.tables, self.block_sizes, self.groups)]
@@ -624,9 +624,9 @@ class World:
         hashes = req.content_hashes[:len(req.tokens) // bs]
         extend_block_hashes(inputs, bs, hashes)  # blocks holding drafts get the hash of what was really input
 
-        def content(g: int, end: int) -> int:  # what a block holds once computed up to token ``end``
+        def content(g: int, upto: int) -> int:  # what a block holds once computed up to token ``upto``
             size = self.block_sizes[g]
-            return self.kv_of(self.block_hash(hashes, end // size - 1, g)) if end % size == 0 else PARTIAL
+            return self.kv_of(self.block_hash(hashes, upto // size - 1, g)) if upto % size == 0 else PARTIAL
         for g, (table, size, group) in enumerate(zip(req.tables, self.block_sizes, self.groups)):
             writes = self._state_writes(end, drafts, accepted, size) if group.state else \
                 [(i, min(end, (i + 1) * size)) for i in range(start // size, -(-end // size))]
@@ -638,9 +638,9 @@ class World:
 
     def _state_writes(self, end: int, drafts: int, accepted: int, size: int) -> list[tuple[int, int]]:
         """(position, the token its state is after) of each state block the forward pass writes, in order (vLLM's
-        align mode, ``mamba_utils``): the state after the last token before the drafts and after each draft, from
-        the block holding the first of these on (a speculative block for each draft); then, when the accepted
-        tokens reach a block boundary, the state there is copied into that boundary's block (the worker's
+        align mode, ``mamba_utils``): the state after the last token before the drafts, in the block holding the
+        last token scheduled, and the state after each draft in a speculative block after it; then, when the
+        accepted tokens reach a block boundary, the state there is copied into that boundary's block (the worker's
         ``postprocess_mamba``): that is the state a later request may hit."""
         known, last = end - drafts, (end - 1) // size
         writes = [(last + j, known + j) for j in range(drafts + 1)]
