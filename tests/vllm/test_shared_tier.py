@@ -115,6 +115,20 @@ def test_a_disk_that_refuses_writes_drops_them_with_a_reason_and_the_engine_keep
     assert not list(tmp_path.rglob("*.kvr")) and run["stats"]["stored_blocks"] > 0
 
 
+def test_a_killed_mooncake_store_node_costs_recomputes_never_a_wrong_token(model, expected, mooncake_pool):
+    """The store node that holds a Mooncake pool's memory dies between two engines. The second engine's master still
+    names every record the first put, but each read fails (TRANSFER_FAIL) and each write placed in the dead node's
+    memory too: every block is recomputed, the outputs are vLLM's, and the errors and dropped writes are counted."""
+    shared, timeout = mooncake_pool.settings(), {"MC_RPC_TIMEOUT_MS": "300"}
+    first = run_engine(model, CONNECTOR, rounds=1, **ONE_ROUND, shared_tier=shared, environ=timeout)
+    assert first["outputs"] == expected and first["stats"]["shared_put_blocks"] > 0
+    mooncake_pool.kill_nodes()
+    second = run_engine(model, CONNECTOR, rounds=1, **ONE_ROUND, shared_tier=shared, environ=timeout)
+    assert second["outputs"] == expected
+    assert second["stats"]["shared_got_blocks"] == 0 and second["stats"]["shared_quarantined"] == 0
+    assert second["stats"]["shared_errors"] > 0 and second["stats"]["shared_dropped"] > 0, second["stats"]
+
+
 def test_a_writer_killed_mid_write_leaves_nothing_that_is_ever_served(model, expected, tmp_path):
     """Engine A's process is killed with SIGKILL halfway through a record (``KilledMidWriteConnector``): the half
     record stays under its temporary name. Engine B, on the same directory, serves the records A finished, never the
