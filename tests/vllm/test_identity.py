@@ -79,14 +79,11 @@ def expected(models) -> dict[str, list]:
     return dict(zip(("w0", *names), outputs)) | {"rope": run(models["rope"], [["generate"]])[0]["outputs"]}
 
 
-@pytest.fixture(params=["fs", "redis", "mooncake"])
+@pytest.fixture(params=["fs", "mooncake"])  # Redis: flows 3 and 4 (``written``), and tests/vllm/test_redis_fleet.py
 def shared(request, tmp_path) -> dict:
     if request.param == "fs":
         return {"backend": "fs", "path": str(tmp_path / "kv"), "bytes": 1 << 30}
-    if request.param == "mooncake":  # a master and a store node: records outlive the engines that put them
-        return request.getfixturevalue("mooncake_pool").settings()
-    server = request.getfixturevalue("redis_server")
-    return {"backend": "redis", "url": server.url, "username": USER, "password_env": SECRET}
+    return request.getfixturevalue("mooncake_pool").settings()  # a master and a store node: records outlive engines
 
 
 def test_every_flow_serves_only_its_own_weights_kv(models, expected, shared):
