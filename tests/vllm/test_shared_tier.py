@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
@@ -17,9 +16,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload
 import prometheus_client  # noqa: E402
 
 from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
-from kvoffload.impl.vllm import KVOffloadConnector  # noqa: E402
 
 from .test_engine import CONNECTOR, ENV, ROOT, run_engine  # noqa: E402
+from .test_metrics import prometheus_metrics  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("shared-tier")  # one worker: its module fixtures run once (tests/conftest.py)
 ONE_ROUND = dict(tier_bytes=32 << 20, offload_block_size=32)
@@ -33,17 +32,6 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(model) -> list:
     return run_engine(model, rounds=1)["outputs"]
-
-
-def prometheus_metrics():
-    """The connector's metrics on prometheus_client's own classes, as vLLM's PrometheusStatLogger builds them."""
-    types = {prometheus_client.Gauge: prometheus_client.Gauge, prometheus_client.Counter: prometheus_client.Counter,
-             prometheus_client.Histogram: prometheus_client.Histogram}
-    collectors = prometheus_client.REGISTRY._names_to_collectors  # another test in this process may have built them
-    for collector in {c for name, c in collectors.items() if name.startswith("vllm:kvoffload_")}:
-        prometheus_client.REGISTRY.unregister(collector)
-    return KVOffloadConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"],
-                                                 {0: ["0"]})
 
 
 def sample(name: str) -> float | None:
