@@ -38,7 +38,8 @@ SLOWEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
     rank = {module: i for i, module in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))
+    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank))
+               if item.path.is_relative_to(tests) else len(rank))
 
 
 def needs_redis_server() -> None:
