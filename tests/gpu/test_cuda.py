@@ -11,9 +11,10 @@ import torch
 
 from kvoffload.impl import OffloadConnector
 from kvoffload.impl.testing import SHAPES, LayeredKV
-from kvoffload.impl.transfer import Copier, CudaStreamExecutor, HostPool
+from kvoffload.impl.transfer import Copier, CudaStreamExecutor, HostPool, block_views
 from kvoffload.spec import Config, ConfigError, Job
 from kvoffload.spec.kit import Scenario, run_conformance
+from tests.unit.test_copy_strategies import NUM_BLOCKS, PAGE, PATTERNS, state_caches
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (torch.cuda.is_available() is False)")
@@ -111,11 +112,48 @@ def test_each_strategy_matches_a_plain_copy(shape, strategy, dtype):
     assert all(torch.equal(view, want) for view, want in zip(kv.views, plain))
 
 
-def test_small_runs_are_staged_and_indexed_copies_cannot_cross_devices():
+@pytest.mark.parametrize("strategy", ["runs", "staged"])
+@pytest.mark.parametrize("layout", ["gpu", "hybrid"])
+def test_state_pages_round_trip_on_streams_and_leave_the_padding(layout, strategy):
+    """A Mamba layer's conv and SSM state, each filling part of a padded page (alone, or beside an attention layer
+    that owns the whole page), stores and loads on the streams exactly as a plain copy does; loads leave the padding."""
+    caches, raw = state_caches(layout, device="cuda")
+    views = block_views(caches, "blocks_first")
+    copier, expected = Copier(views, HostPool(views, 8), strategy), HostPool(views, 8)
+    for pool in (copier.pool, expected):
+        pool.buffer.fill_(0xA5)
+    blocks, rows = PATTERNS["runs_and_gaps"]
+    for view, region in zip(views, expected.regions):
+        for block, row in zip(blocks, rows):
+            region[row] = view[block]
+    executor = CudaStreamExecutor(views[0].device)
+    torch.cuda.synchronize()  # the streams do not wait for the fills on the current one
+    executor.submit(job(copier, 1, "store", blocks, rows))
+    assert wait_for(executor, [1]) == {1: True}
+    assert torch.equal(copier.pool.buffer, expected.buffer)
+
+    pages = raw.view(NUM_BLOCKS, PAGE)
+    filled = sum(view.shape[1] for view in views)
+    padding = pages[:, filled:].clone()
+    targets, rows = PATTERNS["scattered"]
+    want = [view.clone() for view in views]
+    for view, region in zip(want, copier.pool.regions):
+        for block, row in zip(targets, rows):
+            view[block] = region[row]
+    assert not all(torch.equal(view, w) for view, w in zip(views, want))  # the check below can fail
+    torch.cuda.synchronize()
+    executor.submit(job(copier, 2, "load", targets, rows))
+    assert wait_for(executor, [2]) == {2: True}
+    assert all(torch.equal(view, w) for view, w in zip(views, want))
+    assert torch.equal(pages[:, filled:], padding)
+
+
+def test_more_than_two_runs_are_staged_and_indexed_copies_cannot_cross_devices():
     kv, copier, _executor = setup()
-    assert copier.choose(num_blocks=6, num_runs=4) == "staged"
-    copier.large_run = 0
-    assert copier.choose(num_blocks=6, num_runs=4) == "runs"
+    assert copier.choose(num_blocks=256, num_runs=2) == "runs"
+    assert copier.choose(num_blocks=6, num_runs=3) == "staged"
+    copier.large_run = 0  # the CPU's threshold does not apply
+    assert copier.choose(num_blocks=256, num_runs=256) == "staged"
     with pytest.raises(ConfigError, match="'indexed'.*'staged'"):
         Copier(kv.views, copier.pool, "indexed")
 

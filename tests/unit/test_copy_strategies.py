@@ -113,6 +113,24 @@ def test_rows_of_any_width_move_as_the_widest_word_that_divides_them(head_dim, d
     assert all(kv.holds(block, 1000 + block) for block in blocks)
 
 
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("blocks_per_chunk", [1, 3])
+def test_a_staged_transfer_larger_than_its_staging_buffer_goes_in_chunks(blocks_per_chunk, pattern):
+    kv = filled_kv("kv_first", torch.bfloat16)
+    pool, expected = filled_pool(kv.views), filled_pool(kv.views)
+    copier = Copier(kv.views, pool, "staged")
+    copier.staging_bytes = blocks_per_chunk * kv.views[0][0].nbytes
+    blocks, rows = PATTERNS[pattern]
+    plain_store(kv.views, expected.regions, blocks, rows)
+    planned(copier, "store", blocks, rows)()
+    assert torch.equal(pool.buffer, expected.buffer)
+    targets = [(block + 1) % NUM_BLOCKS for block in blocks]  # the rows, back into other blocks
+    want = [view.clone() for view in kv.views]
+    plain_load(want, pool.regions, targets, rows)
+    planned(copier, "load", targets, rows)()
+    assert all(torch.equal(view, w) for view, w in zip(kv.views, want))
+
+
 def test_automatic_choice_on_cpu_is_per_run_copies_for_large_runs_else_indexed():
     kv = filled_kv("kv_first", torch.bfloat16)
     copier = Copier(kv.views, filled_pool(kv.views))
@@ -133,11 +151,12 @@ def test_unknown_strategy_is_a_config_error_naming_the_known_ones():
 PAGE = 256  # bytes of one block's page, as vLLM pads a state page to the attention page
 
 
-def state_caches(layout: str) -> tuple[dict, torch.Tensor]:
+def state_caches(layout: str, device: str = "cpu") -> tuple[dict, torch.Tensor]:
     """A Mamba layer's KV cache as vLLM hands it to a connector, over one raw allocation of padded pages, and that
     allocation: on GPUs its conv and SSM state tensors (``gpu``), on the CPU build one int8 tensor (``cpu``), and in
-    a hybrid model beside an attention layer whose pages are the same bytes (``hybrid``)."""
-    raw = torch.randint(0, 256, (NUM_BLOCKS * PAGE,), dtype=torch.uint8)
+    a hybrid model beside an attention layer whose pages are the same bytes (``hybrid``). ``tests/gpu`` builds the
+    same on CUDA."""
+    raw = torch.randint(0, 256, (NUM_BLOCKS * PAGE,), dtype=torch.uint8, device=device)
     words = raw.view(torch.float32)
     conv = torch.as_strided(words, (NUM_BLOCKS, 3, 4), (PAGE // 4, 4, 1))  # 48 bytes at the page's start
     ssm = torch.as_strided(words, (NUM_BLOCKS, 2, 8), (PAGE // 4, 8, 1), 12)  # 64 bytes after it
