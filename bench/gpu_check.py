@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU_BLOCKS = 1024  # blocks in the GPU cache
 BLOCKS = 256  # blocks per transfer
 DIRECTIONS = ("store", "load", "both")
+STRATEGIES = ("auto", "runs", "staged")  # the connector's choice, then each strategy forced
 CASES = {  # key -> human name
     "frag32k": "32 KiB fragments (32 layers, K/V split)",
     "block2m": "2 MiB blocks (one cross-layer tensor)",
@@ -71,35 +72,42 @@ def run_tests() -> dict:
 
 
 # ---- (b) transfer bandwidth ------------------------------------------------------------------------------
-def timed(launch, streams, warmup: int, repeats: int) -> float:
-    """Median seconds from an event before ``launch()`` to one after the last copy on any of ``streams``.
+def timed(launch, streams, warmup: int, repeats: int) -> tuple[float, float]:
+    """Median seconds from an event before ``launch()`` to one after the last copy on any of ``streams``, and median
+    host seconds inside ``launch()`` (what the engine's step thread spends issuing the copies).
 
     Measured on the GPU timeline from an idle GPU, so the host's launch overhead counts (the engine pays it too)."""
     current = torch.cuda.current_stream()
-    times = []
+    times, launches = [], []
     for i in range(warmup + repeats):
         torch.cuda.synchronize()  # nothing queued earlier may delay or overlap this repeat
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(current)
         for stream in streams:
             stream.wait_stream(current)  # no copy starts before `start`
+        issued = time.perf_counter()
         launch()
+        issued = time.perf_counter() - issued
         for stream in streams:
             current.wait_stream(stream)  # `end` fires after the last copy on every stream
         end.record(current)
         end.synchronize()
         if i >= warmup:
             times.append(start.elapsed_time(end) / 1000)  # elapsed_time is in milliseconds
-    return statistics.median(times)
+            launches.append(issued)
+    return statistics.median(times), statistics.median(launches)
 
 
-def bench_ours(views: list, warmup: int, repeats: int) -> dict[str, float]:
-    """Seconds per direction through the connector's own path: Copier closures run by CudaStreamExecutor."""
+def bench_ours(views: list, warmup: int, repeats: int, strategy: str | None) -> dict[str, tuple[float, float]]:
+    """(GPU, launch) seconds per direction through the connector's own path: Copier closures run by
+    CudaStreamExecutor, with the copy strategy it chooses (None) or a forced one. Both directions go in the engine's
+    order: a step's loads before its forward pass, its stores after it."""
     from kvoffload.impl.transfer import Copier, CudaStreamExecutor, HostPool  # needs the package installed
     from kvoffload.spec.types import Job
 
     device = views[0].device
-    copier = Copier(views, HostPool(views, 2 * BLOCKS))  # stores use rows [0, 256), loads [256, 512): both at once
+    # stores use rows [0, 256), loads [256, 512): both at once
+    copier = Copier(views, HostPool(views, 2 * BLOCKS), strategy)
     executor = CudaStreamExecutor(device)
     perm = np.random.default_rng(0).permutation(GPU_BLOCKS).astype(np.int64)  # scattered GPU ids, disjoint sets
     store_blocks, load_blocks = perm[:BLOCKS], perm[BLOCKS:2 * BLOCKS]
@@ -131,7 +139,7 @@ def bench_ours(views: list, warmup: int, repeats: int) -> dict[str, float]:
     seconds = {
         "store": timed(lambda: submit("store"), [streams["store"]], warmup, repeats),
         "load": timed(lambda: submit("load"), [streams["load"]], warmup, repeats),
-        "both": timed(lambda: submit("store", "load"), [streams["store"], streams["load"]], warmup, repeats),
+        "both": timed(lambda: submit("load", "store"), [streams["store"], streams["load"]], warmup, repeats),
     }
     results = executor.poll()
     if len(results) != len(submitted) or not all(ok for _job, ok in results):
@@ -139,7 +147,7 @@ def bench_ours(views: list, warmup: int, repeats: int) -> dict[str, float]:
     return seconds
 
 
-def bench_memcpy(nbytes: int, device: torch.device, warmup: int, repeats: int) -> dict[str, float]:
+def bench_memcpy(nbytes: int, device: torch.device, warmup: int, repeats: int) -> dict[str, tuple[float, float]]:
     """Seconds per direction for one contiguous pinned <-> device copy of the same bytes (cudaMemcpyAsync)."""
     gpu = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
     host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
@@ -154,8 +162,8 @@ def bench_memcpy(nbytes: int, device: torch.device, warmup: int, repeats: int) -
             gpu[1].copy_(host[1], non_blocking=True)
 
     def both() -> None:
-        store()
         load()
+        store()
 
     return {"store": timed(store, streams[:1], warmup, repeats), "load": timed(load, streams[1:], warmup, repeats),
             "both": timed(both, streams, warmup, repeats)}
@@ -180,17 +188,20 @@ def bench_transfers(device: torch.device, warmup: int, repeats: int) -> list[dic
         views = make_views(case, device)
         span = views[0].shape[1]
         nbytes = BLOCKS * sum(v.shape[1] for v in views)  # one direction, one transfer
-        ours = bench_ours(views, warmup, repeats)
         base = bench_memcpy(nbytes, device, warmup, repeats)
-        for direction in DIRECTIONS:
-            moved = nbytes * (2 if direction == "both" else 1)
-            ours_gbps, base_gbps = moved / ours[direction] / 1e9, moved / base[direction] / 1e9
-            rows.append({"case": case, "name": name, "direction": direction, "span_bytes": span,
-                         "copies_per_transfer": len(views) * BLOCKS, "bytes": moved,
-                         "ours_ms": round(ours[direction] * 1e3, 3), "memcpy_ms": round(base[direction] * 1e3, 3),
-                         "ours_gbps": round(ours_gbps, 2), "memcpy_gbps": round(base_gbps, 2),
-                         "ratio": round(ours_gbps / base_gbps, 3)})
-            print(f"gpu_check:   {direction:5s} ours {ours_gbps:7.2f} GB/s  memcpy {base_gbps:7.2f} GB/s", flush=True)
+        for strategy in STRATEGIES:
+            ours = bench_ours(views, warmup, repeats, None if strategy == "auto" else strategy)
+            for direction in DIRECTIONS:
+                moved = nbytes * (2 if direction == "both" else 1)
+                (ours_s, launch_s), (base_s, _) = ours[direction], base[direction]
+                ours_gbps, base_gbps = moved / ours_s / 1e9, moved / base_s / 1e9
+                rows.append({"case": case, "name": name, "strategy": strategy, "direction": direction,
+                             "span_bytes": span, "copies_per_transfer": len(views) * BLOCKS, "bytes": moved,
+                             "ours_ms": round(ours_s * 1e3, 3), "memcpy_ms": round(base_s * 1e3, 3),
+                             "launch_ms": round(launch_s * 1e3, 3), "ours_gbps": round(ours_gbps, 2),
+                             "memcpy_gbps": round(base_gbps, 2), "ratio": round(ours_gbps / base_gbps, 3)})
+                print(f"gpu_check:   {strategy:6s} {direction:5s} ours {ours_gbps:7.2f} GB/s  "
+                      f"memcpy {base_gbps:7.2f} GB/s  launch {launch_s * 1e3:.2f} ms", flush=True)
         del views
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # give the 2 GiB cache back before the next case
@@ -198,10 +209,11 @@ def bench_transfers(device: torch.device, warmup: int, repeats: int) -> list[dic
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'case':40s} {'dir':5s} {'copies':>7s} {'ours GB/s':>10s} {'memcpy GB/s':>12s} {'ratio':>6s}")
+    print(f"\n{'case':40s} {'copy':6s} {'dir':5s} {'copies':>7s} {'ours GB/s':>10s} {'memcpy GB/s':>12s} {'ratio':>6s} "
+          f"{'launch ms':>10s}")
     for r in rows:
-        print(f"{r['name']:40s} {r['direction']:5s} {r['copies_per_transfer']:7d} {r['ours_gbps']:10.2f} "
-              f"{r['memcpy_gbps']:12.2f} {r['ratio']:6.3f}")
+        print(f"{r['name']:40s} {r['strategy']:6s} {r['direction']:5s} {r['copies_per_transfer']:7d} "
+              f"{r['ours_gbps']:10.2f} {r['memcpy_gbps']:12.2f} {r['ratio']:6.3f} {r['launch_ms']:10.2f}")
     print()
 
 
@@ -233,10 +245,10 @@ def main() -> int:
     if rows:
         print_table(rows)
     for r in rows:
-        key = f"{r['case']}_{r['direction']}"
+        key = f"{r['case']}_{r['direction']}" + ("" if r["strategy"] == "auto" else f"_{r['strategy']}")
         summary.update({f"{key}_gbps": r["ours_gbps"], f"{key}_memcpy_gbps": r["memcpy_gbps"],
-                        f"{key}_vs_memcpy": r["ratio"]})
-    headline = [r["ratio"] for r in rows if (r["case"], r["direction"]) == ("block2m", "store")]
+                        f"{key}_vs_memcpy": r["ratio"], f"{key}_launch_ms": r["launch_ms"]})
+    headline = [r["ratio"] for r in rows if (r["case"], r["strategy"], r["direction"]) == ("block2m", "auto", "store")]
     summary["gpu_copy_vs_memcpy"] = headline[0] if headline else None  # null in the JSON: no measurement
     report["summary"] = summary
     write_report(out, report)
