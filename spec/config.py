@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from math import gcd
+from math import gcd, lcm
 from typing import TypeVar, cast
 
 from attrs import frozen
@@ -69,6 +69,14 @@ class Config:
     # Only a connector that declares GROUPS (vLLM's SupportsHMA) sees more than one; for any other, the engine
     # turns its hybrid manager off and every layer gets full-attention blocks, as vLLM does.
     groups: tuple[Group, ...] = FULL_ATTENTION
+    # State layers that save a prefill checkpoint (vLLM's Mamba2 and KDA layers: ``num_prefill_checkpoint_blocks``):
+    # the prompt's last chunk runs past its last state position and the forward pass saves the state there, a
+    # multiple of this many tokens from the chunk's start (``prefill_checkpoint_alignment``). None: no checkpoints.
+    checkpoint_alignment: int | None = None
+    # Which window and state blocks the engine's prefix cache keeps (vLLM's ``prefix_cache_retention_interval``):
+    # 0 (vLLM's default) only where a later request resumes (the prompt's last block boundary, a shared-prefix
+    # junction); n > 0 also one per n tokens; None every one. Full attention keeps every block.
+    retention_interval: int | None = 0
     # A shared store's existence check may take a while; a lookup that finds it unanswered after this long (on the
     # store's clock: ticks in the world, seconds in vLLM) gives up on it (a miss), so that a slow or dead store
     # never holds a request back for long. Time, not a count of lookups: those come as fast as the engine spins.
@@ -100,6 +108,15 @@ class Config:
                               f"divisor of the KV cache groups' block sizes {list(self.block_sizes)}, as in vLLM")
         if any(g.state for g in self.groups):
             self._check_state_groups()
+        if self.retention_interval is not None:
+            _require_non_negative("retention_interval", self.retention_interval)
+            if self.retention_interval % lcm(*self.block_sizes):
+                raise ConfigError(f"retention_interval ({self.retention_interval} tokens) must be a multiple of the "
+                                  f"scheduler's block size ({lcm(*self.block_sizes)} tokens), as in vLLM")
+        if self.checkpoint_alignment is not None:
+            _require_positive("checkpoint_alignment", self.checkpoint_alignment)
+            if not any(g.state for g in self.groups):
+                raise ConfigError("checkpoint_alignment is for a model with recurrent state: add a state group")
         if self.policy not in ("lru", "arc"):
             raise ConfigError(f"unknown eviction policy {self.policy!r}; known: 'lru', 'arc'")
 

@@ -111,25 +111,58 @@ def longest_hit(groups: Sequence[Group], block_sizes: Sequence[int], num_tokens:
 
 
 def state_chunk(start: int, n: int, num_prompt_tokens: int, num_tokens: int, block_size: int, budget: int,
-                shared_prefix_boundary: int = 0) -> int:
+                shared_prefix_boundary: int = 0, checkpoint_alignment: int | None = None) -> int:
     """How many of the ``n`` tokens from ``start`` a model with recurrent state computes in one step (vLLM's
     ``_mamba_block_aligned_split``): a prefill chunk ends where a state can be cached, on a block boundary, and at
     latest on the last one before the last known token. The prompt's last chunk is not clipped (decode carries its
     state to the boundary), nor a chunk inside a block wider than the ``budget``; 0: no block-aligned chunk fits.
     A chunk also stops on the last block boundary before the ``shared_prefix_boundary``: where the request's prefix
     stops being cached in some group although the others had it (vLLM's Marconi-style junction), so that the state
-    there is cached for the next request that shares it."""
+    there is cached for the next request that shares it. A model whose state layers save a prefill checkpoint
+    (``checkpoint_alignment``, vLLM's Mamba2 and KDA layers) runs the prompt's last chunk past the last state
+    position when the forward pass saves the state there itself (``checkpoint_saved``)."""
     prefill_end = max(num_prompt_tokens, num_tokens - 1)  # a resumed request replays its outputs as prefill
     if start >= prefill_end:
         return n
     end = start + n
+    last_state = (num_tokens - 1) // block_size * block_size  # one token is always left to compute
+    checkpoint = (prefill_end - 1) // block_size * block_size
+    if checkpoint_alignment and end >= prefill_end and \
+            checkpoint_saved(start, end, checkpoint, block_size, checkpoint_alignment):
+        last_state = 0  # the forward pass saves it inside the chunk
     if end < prefill_end:
         aligned_end = end // block_size * block_size
         if aligned_end > start or block_size <= budget:
             end = aligned_end
-    last_state = (num_tokens - 1) // block_size * block_size  # one token is always left to compute
     junction = start + (shared_prefix_boundary - start) // block_size * block_size
     stops = ((start // block_size + 1) * block_size if start % block_size else 0, last_state,
              junction if start < shared_prefix_boundary < end else 0)
     end = min((stop for stop in stops if start < stop < end), default=end)
     return max(end - start, 0)
+
+
+def checkpoint_saved(start: int, end: int, position: int, block_size: int, alignment: int) -> bool:
+    """Whether a chunk computing tokens ``start`` to ``end`` saves the state after the first ``position`` tokens (a
+    block boundary) into that position's block, inside the chunk (vLLM's ``is_mamba_prefill_checkpoint_valid``):
+    the chunk starts on a boundary, reaches at least a block past it and past ``position``, and ``position`` lies a
+    whole block after its start and a multiple of ``alignment`` tokens from it."""
+    return (start % block_size == 0 and -(-end // block_size) - 2 > (start - 1) // block_size
+            and start + block_size <= position < end and (position - start) % alignment == 0)
+
+
+def retained(group: Group, block: int, size: int, unit: int, boundaries: Sequence[int], interval: int | None) -> bool:
+    """Whether the prefix cache keeps block ``block`` of a group of ``size``-token blocks once it is computed (vLLM's
+    ``reachable_block_mask``, hits aligned to ``unit`` tokens): every block of full attention; of a sliding window,
+    the blocks a hit at a kept boundary reads; of a state group, the block ending on a kept boundary. The kept
+    boundaries: every ``unit`` tokens when ``interval`` is None (dense), else every ``interval`` tokens (none for 0,
+    vLLM's default), and always the ``boundaries`` where a later request resumes (the prompt's last token, a
+    shared-prefix junction), floored to the unit. A block no boundary needs gets no hash: no request hits it."""
+    if group.reach is None:
+        return True
+    kept = [b // unit * unit // size for b in boundaries] if interval is not None else []  # blocks ending there
+    if group.state:
+        per = (interval or 0) // size
+        return interval is None or (interval > 0 and (per <= 1 or (block + 1) % per == 0)) or block + 1 in kept
+    need = -(-group.reach // size)  # the blocks a hit reads
+    per = (unit if interval is None else interval) // size
+    return (per > 0 and (need >= per or block % per >= per - need)) or any(end - need <= block < end for end in kept)

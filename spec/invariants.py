@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .store import Store
     from .world import World
 
-SPEC_VERSION = "0.14"
+SPEC_VERSION = "0.15"
 
 SAFETY = ("TRACK", "SRC", "DST", "CONTENT", "REF", "ATOMIC", "CURSOR", "JOBS", "FINISH", "FAIL", "LOOKUP",
           "CAPACITY", "KEEP", "WRITE-ONCE", "NAMESPACE")

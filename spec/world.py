@@ -50,7 +50,7 @@ from attrs import Factory, define, evolve, field
 from . import invariants
 from .config import Config, ConfigError
 from .executor import Executor
-from .groups import FULL_ATTENTION, Group, longest_hit, state_chunk
+from .groups import FULL_ATTENTION, Group, checkpoint_saved, longest_hit, retained, state_chunk
 from .memory import PARTIAL, BlockPool
 from .records import Namespace
 from .requests import Request, State, continuation, extend_block_hashes, kv_content
@@ -130,7 +130,7 @@ class World:
     stats: dict[str, int] = field(factory=lambda: dict.fromkeys(
         ("steps", "requests", "finished", "preemptions", "engine_hit_blocks", "tier_hit_tokens", "blocks_loaded",
          "blocks_stored", "failed_transfers", "drafts", "rejected_drafts", "weight_updates", "window_freed_blocks",
-         "checks"), 0))
+         "checkpoints", "checks"), 0))
 
     @pool.default
     def _pool(self) -> BlockPool:
@@ -344,14 +344,14 @@ class World:
                 continue
             n += self._drafts(req, n, budget)
             self._free_outside_windows(req)
-            new_blocks = self._grow(req, req.num_computed_tokens + n)
+            new_blocks = self._grow(req, req.num_computed_tokens, req.num_computed_tokens + n)
             while new_blocks is None:  # short of blocks: preempt the lowest-priority running request
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted_now = True
                 if victim is req:
                     break
-                new_blocks = self._grow(req, req.num_computed_tokens + n)
+                new_blocks = self._grow(req, req.num_computed_tokens, req.num_computed_tokens + n)
             if new_blocks is None:
                 break
             scheduled.append(self._scheduled(req, "running", new_blocks, n))
@@ -409,7 +409,7 @@ class World:
         full = min(num_tokens, len(req.block_hashes) * self.config.block_size) // unit * unit
         for g, (table, size, group) in enumerate(zip(req.tables, self.block_sizes, self.groups)):
             for i in range(req.num_committed_tokens // size, full // size) if group.state else ():
-                if table[i] != NULL_BLOCK:
+                if table[i] != NULL_BLOCK and self._retained(req, g, i):
                     self.pool.cache(table[i], self.block_hash(req.block_hashes, i, g))
                     if not computed:
                         self.committed_states.add(table[i])
@@ -436,7 +436,7 @@ class World:
             if req.loading():
                 continue
             n = self._chunk(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
-            if n == 0 or self._grow(req, req.num_computed_tokens + n) is None:
+            if n == 0 or self._grow(req, req.num_computed_tokens, req.num_computed_tokens + n) is None:
                 break
             self.waiting.remove(req)
             self.running.append(req)
@@ -490,7 +490,7 @@ class World:
         for table, group, size in zip(req.tables, self.groups, self.block_sizes):
             start = group.skipped_blocks(num_local + num_external, size) if num_external else 0
             table += [NULL_BLOCK] * (start - len(table))
-        if self._grow(req, num_local + first_step, first=True) is None:
+        if self._grow(req, num_local + num_external, num_local + first_step, first=True) is None:
             self.pool.release(held)
             req.tables = [[] for _ in self.groups]
             return False
@@ -508,13 +508,15 @@ class World:
         if not self.aligned:
             return n
         return state_chunk(start, n, req.num_prompt_tokens, req.num_tokens, lcm(*self.block_sizes),
-                           self.config.token_budget, req.shared_prefix_boundary)
+                           self.config.token_budget, req.shared_prefix_boundary, self.config.checkpoint_alignment)
 
-    def _grow(self, req: Request, num_tokens: int, first: bool = False) -> list[list[int]] | None:
-        """Blocks for ``num_tokens`` in every group, all or none; per group, what vLLM reports as new (its
-        ``new_block_ids``). ``first``: the request holds no blocks of its own yet (a hit's at most)."""
-        plans = [self._grow_state(table, size, num_tokens, first) if group.state else
-                 (table, max(-(-num_tokens // size) - len(table), 0))
+    def _grow(self, req: Request, start: int, num_tokens: int, first: bool = False) -> list[list[int]] | None:
+        """Blocks for ``num_tokens`` in every group, all or none, for a step that computes from ``start``; per
+        group, what vLLM reports as new (its ``new_block_ids``). ``first``: the request holds no blocks of its own
+        yet (a hit's at most)."""
+        plans = [self._grow_state(table, size, num_tokens, first,
+                                  self._checkpoint_reserved(req, table, size, start, num_tokens, first))
+                 if group.state else (table, max(-(-num_tokens // size) - len(table), 0))
                  for table, size, group in zip(req.tables, self.block_sizes, self.groups)]
         new = self.pool.allocate(sum(n for _table, n in plans))
         if new is None:
@@ -527,24 +529,38 @@ class World:
             new = new[n:]
         return added
 
-    def _grow_state(self, table: list[int], size: int, num_tokens: int, first: bool) -> tuple[list[int], int]:
+    def _grow_state(self, table: list[int], size: int, num_tokens: int, first: bool,
+                    checkpoint: bool) -> tuple[list[int], int]:
         """A state group's table for ``num_tokens``, and how many new blocks it takes (vLLM's align mode,
         ``MambaManager.allocate_new_blocks``). The state after the last token goes in the block holding that token,
-        the null block at the positions before it that the table does not reach yet. With speculative decoding, the
-        ``num_spec_tokens`` blocks after it hold the states after each draft token (``num_speculative_blocks``); once
-        the request has blocks, those a chunk passed move to the end of the table, the null block in their place
+        the null block at the positions before it that the table does not reach yet, except the block before it when
+        the step saves a prefill ``checkpoint`` there. With speculative decoding, the ``num_spec_tokens`` blocks
+        after it hold the states after each draft token (``num_speculative_blocks``); once the request has blocks,
+        those a chunk passed move to the end of the table, the null block in their place
         (``_relocate_speculative_block``): then the table is not append-only."""
         spec = self.config.num_spec_tokens
         need = -(-num_tokens // size) + spec
-        if need <= len(table):
+        if need <= len(table) and not checkpoint:
             return table, 0
         last = need - spec - 1  # the position of the state after the last token
-        grown = table + [NULL_BLOCK] * (last - len(table))
+        grown = table + [NULL_BLOCK] * (last - checkpoint - len(table))
         for i in range(len(table) - spec, len(table)) if not first else ():
-            if i < last:
+            if i < last - checkpoint:
                 grown.append(grown[i])
                 grown[i] = NULL_BLOCK
-        return grown, need - len(grown)
+        return grown, max(need - len(grown), 0)
+
+    def _checkpoint_reserved(self, req: Request, table: list[int], size: int, start: int, num_tokens: int,
+                             first: bool) -> bool:
+        """Whether vLLM keeps a block for a prefill checkpoint in this step (``MambaManager``'s
+        ``_needs_internal_checkpoint``): the chunk saves a checkpoint (``groups.checkpoint_saved``), and reaches the
+        end of prefill unless every chunk's state is kept (a ``retention_interval`` other than 0: the coordinator
+        passes no prefill end), and that position's column is free: past the table, null, or a speculative block's."""
+        alignment, i, spec = self.config.checkpoint_alignment, -(-num_tokens // size) - 2, self.config.num_spec_tokens
+        prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1) if self.config.retention_interval == 0 else 0
+        return (alignment is not None and num_tokens >= prefill_end and i >= 0
+                and checkpoint_saved(start, num_tokens, (num_tokens - 1) // size * size, size, alignment)
+                and (first or i >= len(table) or table[i] == NULL_BLOCK or i >= len(table) - spec))
 
     def _free_outside_windows(self, req: Request) -> None:
         """A sliding window's blocks that no position still to compute reads go back to the pool, NULL_BLOCK in
@@ -628,7 +644,7 @@ class World:
             size = self.block_sizes[g]
             return self.kv_of(self.block_hash(hashes, upto // size - 1, g)) if upto % size == 0 else PARTIAL
         for g, (table, size, group) in enumerate(zip(req.tables, self.block_sizes, self.groups)):
-            writes = self._state_writes(end, drafts, accepted, size) if group.state else \
+            writes = self._state_writes(table, start, end, drafts, accepted, size) if group.state else \
                 [(i, min(end, (i + 1) * size)) for i in range(start // size, -(-end // size))]
             for i, upto in writes:
                 invariants.not_in_flight(self, table[i], "written by the forward pass")
@@ -636,14 +652,22 @@ class World:
                 for kv in self.kvs:
                     kv.write(table[i], content(g, upto))
 
-    def _state_writes(self, end: int, drafts: int, accepted: int, size: int) -> list[tuple[int, int]]:
+    def _state_writes(self, table: list[int], start: int, end: int, drafts: int, accepted: int,
+                      size: int) -> list[tuple[int, int]]:
         """(position, the token its state is after) of each state block the forward pass writes, in order (vLLM's
-        align mode, ``mamba_utils``): the state after the last token before the drafts, in the block holding the
-        last token scheduled, and the state after each draft in a speculative block after it; then, when the
-        accepted tokens reach a block boundary, the state there is copied into that boundary's block (the worker's
-        ``postprocess_mamba``): that is the state a later request may hit."""
+        align mode, ``mamba_utils``): a prefill checkpoint inside the chunk, into its column's block unless the
+        table holds the null block there (``compute_mamba_prefill_checkpoints``: the worker decides by itself);
+        the state after the last token before the drafts, in the block holding the last token scheduled, and the
+        state after each draft in a speculative block after it; then, when the accepted tokens reach a block
+        boundary, the state there is copied into that boundary's block (the worker's ``postprocess_mamba``): that
+        is the state a later request may hit."""
         known, last = end - drafts, (end - 1) // size
-        writes = [(last + j, known + j) for j in range(drafts + 1)]
+        alignment, checkpoint = self.config.checkpoint_alignment, (end - 1) // size * size
+        saved = alignment is not None and checkpoint_saved(start, end, checkpoint, size, alignment) \
+            and table[checkpoint // size - 1] != NULL_BLOCK
+        writes = [(checkpoint // size - 1, checkpoint)] if saved else []
+        self.stats["checkpoints"] += saved
+        writes += [(last + j, known + j) for j in range(drafts + 1)]
         boundary = (known + accepted) // size * size
         if boundary >= known and (boundary // size - 1, boundary) not in writes:
             writes.append((boundary // size - 1, boundary))
@@ -790,10 +814,17 @@ class World:
         full = min(req.num_final_tokens, len(req.block_hashes) * self.config.block_size) // unit * unit
         for g, (table, size) in enumerate(zip(req.tables, self.block_sizes)):
             for i in range(req.num_cached_tokens // size, full // size):
-                if table[i] != NULL_BLOCK:
+                if table[i] != NULL_BLOCK and self._retained(req, g, i):
                     invariants.not_in_flight(self, table[i], "entered the prefix cache", ("load",))
                     self.pool.cache(table[i], self.block_hash(req.block_hashes, i, g))
         req.num_cached_tokens = max(req.num_cached_tokens, full)
+
+    def _retained(self, req: Request, g: int, i: int) -> bool:
+        """Whether the prefix cache keeps block ``i`` of group ``g`` of this request (``groups.retained``): where a
+        later request resumes is the prompt's last token, and the shared-prefix junction if it has one."""
+        boundaries = (req.num_prompt_tokens - 1, req.shared_prefix_boundary)[:1 + bool(req.shared_prefix_boundary)]
+        return retained(self.groups[g], i, self.block_sizes[g], lcm(*self.block_sizes), boundaries,
+                        self.config.retention_interval)
 
     def _finish(self, req: Request, state: State) -> None:
         loading = req.loading()  # the engine itself holds its blocks until the load lands

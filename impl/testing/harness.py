@@ -26,15 +26,18 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 def make_configs(model: Path, num_blocks: int, connector: str | None, module: str | None, extra: dict,
                  block_size: int = BLOCK_SIZE, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
-                 num_spec_tokens: int = 0, world_size: int = 1,
-                 groups: tuple[Group, ...] = FULL_ATTENTION) -> tuple[VllmConfig, KVCacheConfig]:
+                 num_spec_tokens: int = 0, world_size: int = 1, groups: tuple[Group, ...] = FULL_ATTENTION,
+                 checkpoint_alignment: int | None = None,
+                 retention_interval: int | None = 0) -> tuple[VllmConfig, KVCacheConfig]:
     """The configs vLLM's engine would build for ``model`` (a config directory is enough): a KV cache of
     ``num_blocks`` blocks of ``block_size`` tokens, one KV cache group of two layers per entry of ``groups`` (full
     attention or a sliding window; a group with blocks of its own size has as much fewer bytes per token, so that
     every page has one size, as vLLM's ``unify_kv_cache_spec_page_size`` makes them; a state group is a gated delta
     net's state in align mode, its page padded to that size), and the named connector (None: none).
     ``num_spec_tokens`` turns on ngram speculative decoding (no draft model needed); ``world_size`` is the
-    tensor-parallel size."""
+    tensor-parallel size; ``checkpoint_alignment`` gives the state a prefill checkpoint block, as Mamba2 layers do;
+    ``retention_interval`` is the prefix cache's, vLLM's default 0 unless given (None: every window and state block
+    is kept; 0: only where a later request resumes)."""
     speculative = (SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens, prompt_lookup_max=3,
                                      prompt_lookup_min=2) if num_spec_tokens else None)
     vllm_config = VllmConfig(
@@ -60,7 +63,9 @@ def make_configs(model: Path, num_blocks: int, connector: str | None, module: st
             # with a block for the state after each draft token (``MambaBase.get_kv_cache_spec``)
             return MambaSpec(block_size=size, shapes=((3, 16), (2, 8, 8)), dtypes=(torch.float32, torch.float32),
                              page_size_padded=2 * size * 2 * 32 * 4, mamba_cache_mode="align",
-                             num_speculative_blocks=num_spec_tokens)
+                             num_speculative_blocks=num_spec_tokens,
+                             num_prefill_checkpoint_blocks=int(checkpoint_alignment is not None),
+                             prefill_checkpoint_alignment=checkpoint_alignment)
         shape = dict(block_size=size, num_kv_heads=2, head_size=32 * block_size // size, dtype=torch.float32)
         if group.window is None:
             return FullAttentionSpec(**shape)  # type: ignore[arg-type]
@@ -74,14 +79,17 @@ def make_configs(model: Path, num_blocks: int, connector: str | None, module: st
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in zip(layers, specs)],
         kv_cache_tensors=[KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=names,
-                                        layer_stride=page * num_blocks, block_stride=page) for names in layers])
+                                        layer_stride=page * num_blocks, block_stride=page) for names in layers],
+        prefix_cache_retention_interval=retention_interval)
+    vllm_config.cache_config.prefix_cache_retention_interval = retention_interval
     return vllm_config, kv_cache_config
 
 
 def make_scheduler(model: Path, num_blocks: int, connector: str | None, module: str | None, extra: dict,
                    max_num_seqs: int = 16, max_num_batched_tokens: int = 256, async_scheduling: bool = False,
                    num_spec_tokens: int = 0, world_size: int = 1, log_stats: bool = False,
-                   groups: tuple[Group, ...] = FULL_ATTENTION) -> Scheduler:
+                   groups: tuple[Group, ...] = FULL_ATTENTION, checkpoint_alignment: int | None = None,
+                   retention_interval: int | None = 0) -> Scheduler:
     """vLLM's real Scheduler (``AsyncScheduler`` with ``async_scheduling``) over the configs of ``make_configs``
     (``groups``: its KV cache groups), with the named connector on its scheduler side, and the scheduler and hash
     block sizes vLLM's engine gives it. ``log_stats`` keeps vLLM's own prefix-cache statistics."""
@@ -89,7 +97,8 @@ def make_scheduler(model: Path, num_blocks: int, connector: str | None, module: 
                                                 max_num_seqs=max_num_seqs,
                                                 max_num_batched_tokens=max_num_batched_tokens,
                                                 num_spec_tokens=num_spec_tokens, world_size=world_size,
-                                                groups=groups)
+                                                groups=groups, checkpoint_alignment=checkpoint_alignment,
+                                                retention_interval=retention_interval)
     scheduler_class = AsyncScheduler if async_scheduling else Scheduler
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     return scheduler_class(vllm_config=vllm_config, kv_cache_config=kv_cache_config,

@@ -158,10 +158,6 @@ def group_of(spec: Any, index: int) -> Group:
             raise ConfigError(f"KV cache group {index} holds Mamba state in mamba_cache_mode={spec.mamba_cache_mode!r}"
                               ": KVOffloadConnector offloads it in 'align' mode only, where each block holds the "
                               "state at its end (--mamba-cache-mode align, with prefix caching)")
-        if spec.num_prefill_checkpoint_blocks:
-            raise ConfigError(f"KV cache group {index} saves checkpoints of its state inside prefill chunks "
-                              "(num_prefill_checkpoint_blocks, as vLLM's Mamba2 layers do): not supported yet, the "
-                              "spec does not model where those states go")
         return Group(block_size=spec.block_size, state=True)
     specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
     attention = all(isinstance(s, (SlidingWindowSpec, FullAttentionSpec)) for s in specs)
@@ -208,7 +204,23 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
                   store_threshold=extra.get("store_threshold", 1),
                   offers_remembered=extra.get("offers_remembered", Config().offers_remembered),
                   store_prompts_only=extra.get("store_prompts_only", False),
-                  num_spec_tokens=vllm_config.num_speculative_tokens)  # what the spec refuses of it, refused
+                  num_spec_tokens=vllm_config.num_speculative_tokens,  # what the spec refuses of it, refused
+                  checkpoint_alignment=checkpoint_alignment(kv_cache_config),
+                  retention_interval=kv_cache_config.prefix_cache_retention_interval)
+
+
+def checkpoint_alignment(kv_cache_config: Any) -> int | None:
+    """Where the state groups save a prefill checkpoint inside a chunk (vLLM's Mamba2 and KDA layers:
+    ``num_prefill_checkpoint_blocks``), as ``Config.checkpoint_alignment``; None: they save none. vLLM's scheduler
+    follows the first state group's alignment, so groups that disagree are refused."""
+    kinds = {(spec.num_prefill_checkpoint_blocks > 0 and spec.prefill_checkpoint_alignment is not None,
+              spec.prefill_checkpoint_alignment) for g in kv_cache_config.kv_cache_groups
+             if isinstance(spec := g.kv_cache_spec, MambaSpec)}
+    if len(kinds) > 1:
+        raise ConfigError(f"the Mamba KV cache groups disagree on prefill checkpoints (saved, alignment): "
+                          f"{sorted(kinds, key=str)}; vLLM follows the first group's, which the others' layers do not")
+    saved, alignment = kinds.pop() if kinds else (False, None)
+    return alignment if saved else None
 
 
 def hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:

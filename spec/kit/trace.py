@@ -139,7 +139,9 @@ def read_trace(path: str | Path) -> tuple[dict[str, Any], list[tuple[str, dict[s
 def scenario_from(header: dict[str, Any]) -> Scenario:
     fields, config = header["scenario"], header["scenario"]["config"]
     groups = tuple(Group(**group) for group in config.get("groups", ())) or FULL_ATTENTION  # older traces: none
-    return Scenario(**{**fields, "config": Config(**{**config, "groups": groups})})
+    # a trace from before spec 0.15 ran a world whose prefix cache kept every window and state block
+    retention = config.get("retention_interval")
+    return Scenario(**{**fields, "config": Config(**{**config, "groups": groups, "retention_interval": retention})})
 
 
 def replay(path: str | Path, adapter: Callable[[Config], Any] | None = None,

@@ -203,3 +203,13 @@ def test_connector_conforms_on_cuda():
     scenario = Scenario(Config(num_gpu_blocks=12, tier_blocks=4, prefix_caching=False), delay=2, failures=True)
     run_conformance(OffloadConnector, scenario, level="exact",
                     kv_factory=functools.partial(LayeredKV, shape="kv_first", device="cuda"), max_examples=20)
+
+
+@pytest.mark.parametrize("name", ["hybrid-state-full-checkpoints-async-spec3-delayed-failures",
+                                  "hybrid-full-state-w4-async-tp2-delayed-failures"])
+def test_connector_conforms_on_cuda_in_hybrid_models(name):
+    """A model with recurrent state, a window and speculative decoding, on the streams: equal to the spec."""
+    from tests.stateful.scenarios import HYBRID_SCENARIOS
+
+    run_conformance(OffloadConnector, HYBRID_SCENARIOS[name], level="exact",
+                    kv_factory=functools.partial(LayeredKV, shape="fused", device="cuda"), max_examples=10)

@@ -54,7 +54,8 @@ ARC_SCENARIOS = {
 # Hybrid models: KV cache groups of full attention and sliding windows (windows in tokens; block_size 2, or a
 # group's own: vLLM enlarges the blocks of layers with fewer bytes per token, so that every page has one size). A
 # connector that declares GROUPS gets a block table per group; the others run with the hybrid manager off. A model
-# whose layers all slide (Mistral-style) keeps its one windowed group for every connector, as in vLLM.
+# whose layers all slide (Mistral-style) keeps its one windowed group for every connector, as in vLLM. The prefix
+# cache keeps window and state blocks only where a later request resumes (vLLM's default retention) unless named.
 HYBRID_SCENARIOS = {
     "hybrid-w4-only-delayed-failures": Scenario(
         Config(num_gpu_blocks=16, tier_blocks=6, groups=(Group(4),)), delay=1, failures=True),
@@ -64,9 +65,9 @@ HYBRID_SCENARIOS = {
     "hybrid-k2-w5-full-delayed-failures": Scenario(
         Config(num_gpu_blocks=24, offload_block_size=4, tier_blocks=6, groups=(Group(5), Group()),
                prefix_caching=False), delay=2, failures=True),
-    "hybrid-w6-full-async-spec2": Scenario(
-        Config(num_gpu_blocks=28, tier_blocks=8, groups=(Group(6), Group()), async_scheduling=True,
-               num_spec_tokens=2), delay=1),
+    "hybrid-w6-full-async-spec2-dense": Scenario(  # every window block kept in the prefix cache, not only the
+        Config(num_gpu_blocks=28, tier_blocks=8, groups=(Group(6), Group()), async_scheduling=True,  # last ones
+               num_spec_tokens=2, retention_interval=None), delay=1),
     "hybrid-full-w4-tp2-delayed-failures": Scenario(
         Config(num_gpu_blocks=24, tier_blocks=6, groups=(Group(), Group(4)), num_workers=2, prefix_caching=False),
         delay=1, failures=True),
@@ -88,8 +89,8 @@ HYBRID_SCENARIOS = {
     "hybrid-full-state-w4-async-tp2-delayed-failures": Scenario(
         Config(num_gpu_blocks=28, tier_blocks=16, groups=(Group(), Group(state=True), Group(4)), async_scheduling=True,
                num_workers=2), delay=3, failures=True),
-    "hybrid-state-only-delayed": Scenario(Config(num_gpu_blocks=16, tier_blocks=6, groups=(Group(state=True),)),
-                                          delay=2),
+    "hybrid-state-only-every8-delayed": Scenario(  # the prefix cache keeps a state every 8 tokens too
+        Config(num_gpu_blocks=16, tier_blocks=6, groups=(Group(state=True),), retention_interval=8), delay=2),
     # with speculative decoding: a block for the state after each draft, moved to the end of the table once a chunk
     # passes it (vLLM's ``_relocate_speculative_block``)
     "hybrid-state-full-spec2-delayed-failures": Scenario(
@@ -98,6 +99,13 @@ HYBRID_SCENARIOS = {
     "hybrid-state-w6-async-spec3-delayed": Scenario(
         Config(num_gpu_blocks=28, block_size=4, offload_block_size=4, tier_blocks=8,
                groups=(Group(state=True), Group(6)), async_scheduling=True, num_spec_tokens=3), delay=2),
+    # Mamba2 and KDA layers save a prefill checkpoint inside the prompt's last chunk, into a block kept for it (a
+    # speculative block that would move stays there); under async scheduling a state a draft reached is handed over
+    # as the schedule frees its block
+    "hybrid-state-full-checkpoints-async-spec3-delayed-failures": Scenario(
+        Config(num_gpu_blocks=28, block_size=4, offload_block_size=4, tier_blocks=8, token_budget=16,
+               groups=(Group(state=True), Group()), async_scheduling=True, num_spec_tokens=3, checkpoint_alignment=1),
+        delay=2, failures=True),
     "hybrid-full@6-w5-full@4-tp2-no-prefix-cache": Scenario(
         Config(num_gpu_blocks=36, tier_blocks=24, groups=(Group(block_size=6), Group(5), Group(block_size=4)),
                num_workers=2, prefix_caching=False), delay=1, failures=True),

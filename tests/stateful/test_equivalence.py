@@ -49,6 +49,7 @@ def test_spec_keeps_its_invariants_in_hybrid_models(name):
     assert coverage.world["blocks_stored"] and coverage.world["blocks_loaded"]
     windowed = any(group.reach is not None for group in scenario.config.groups)
     assert bool(coverage.world["window_freed_blocks"]) == windowed
+    assert bool(coverage.world["checkpoints"]) == (scenario.config.checkpoint_alignment is not None)
 
 
 @pytest.mark.parametrize("name", HYBRID_SCENARIOS)

@@ -6,8 +6,20 @@ import textwrap
 
 import pytest
 
+from attrs import evolve
+
 from kvoffload.spec import Config, Executor, ListKV, SpecConnector, Violation, World
+from kvoffload.spec.kit import Scenario
 from kvoffload.spec.types import offload_keys
+
+from .scenarios import HYBRID_SCENARIOS
+
+
+def as_found(name: str) -> Scenario:
+    """A hybrid scenario as its program was found in: before spec 0.15 the world's prefix cache kept every window
+    and state block (vLLM's ``prefix_cache_retention_interval=None``)."""
+    scenario = HYBRID_SCENARIOS[name]
+    return evolve(scenario, config=evolve(scenario.config, retention_interval=None))
 
 DELAYED_FREES_PROGRAM = textwrap.dedent("""
     from kvoffload.reference import ReferenceConnector, TensorKV
@@ -227,9 +239,7 @@ def test_a_failed_load_behind_a_window_starts_the_request_over():
     the hit left in a window's table starts the request over, as a load with no valid prefix does."""
     from kvoffload.spec.kit import make_machine
 
-    from .scenarios import HYBRID_SCENARIOS
-
-    state = make_machine(SpecConnector, HYBRID_SCENARIOS["hybrid-w4-only-delayed-failures"])()
+    state = make_machine(SpecConnector, as_found("hybrid-w4-only-delayed-failures"))()
     state.add_requests(batch=[([0], 1)])
     state.add_requests(batch=[([0, 0, 0, 0, 0, 0, 0, 0], 5), ([0, 1, 0, 1, 2, 2, 0, 0, 0, 0, 0, 0], 3),
                               ([1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0], 1),
@@ -311,9 +321,7 @@ def test_stores_reading_blocks_a_window_freed_finish_before_the_forward_pass(con
     from kvoffload.spec.kit import make_machine
 
     from .faulty import flushes_after_the_forward
-    from .scenarios import HYBRID_SCENARIOS
-
-    scenario = HYBRID_SCENARIOS["hybrid-k2-w5-full-delayed-failures"]
+    scenario = as_found("hybrid-k2-w5-full-delayed-failures")
     state = make_machine(connector, scenario, "exact", kv)()
     program(state)
     state.teardown()
@@ -329,9 +337,7 @@ def test_a_store_of_a_block_freed_at_finish_is_flushed_by_the_next_plan():
     from kvoffload.spec.kit import make_machine
 
     from .faulty import ForgetsTheWindowAtFinish
-    from .scenarios import HYBRID_SCENARIOS
-
-    state = make_machine(ForgetsTheWindowAtFinish, HYBRID_SCENARIOS["hybrid-k2-w5-full-delayed-failures"])()
+    state = make_machine(ForgetsTheWindowAtFinish, as_found("hybrid-k2-w5-full-delayed-failures"))()
     with pytest.raises(Violation) as caught:
         _freed_at_finish(state)
     assert caught.value.invariant == "SRC"
@@ -470,10 +476,8 @@ def test_a_speculative_block_moved_to_the_end_of_a_state_table_is_not_stored_whe
     from kvoffload.reference import ReferenceConnector, TensorKV
     from kvoffload.spec.kit import make_machine
 
-    from .scenarios import HYBRID_SCENARIOS
-
     make, kv = (ReferenceConnector, TensorKV) if connector == "reference" else (OffloadConnector, LayeredKV)
-    state = make_machine(make, HYBRID_SCENARIOS["hybrid-state-full-spec2-delayed-failures"], "exact", kv)()
+    state = make_machine(make, as_found("hybrid-state-full-spec2-delayed-failures"), "exact", kv)()
     state.add_requests(batch=[([0], 1), ([1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 0, 1, 0], 1)])
     state.step(n=3)
     state.invariants_hold()

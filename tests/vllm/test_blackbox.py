@@ -100,6 +100,16 @@ STATE = {  # recurrent state in vLLM's align mode: vLLM's connector stores each 
     # speculative decoding: a block for the state after each draft, moved to the end of the table as chunks pass it
     "state-full-spec2-delayed": Scenario(Config(num_gpu_blocks=28, block_size=4, offload_block_size=4, tier_blocks=8,
                                                 groups=(Group(state=True), Group()), num_spec_tokens=2), delay=1),
+    # Mamba2's prefill checkpoints; with every state kept, a state a draft reached is handed over as the schedule
+    # frees its block (async)
+    "state-full-checkpoints-async-spec3": Scenario(
+        Config(num_gpu_blocks=28, block_size=4, offload_block_size=4, tier_blocks=8, token_budget=16,
+               groups=(Group(state=True), Group()), async_scheduling=True, num_spec_tokens=3, checkpoint_alignment=1),
+        delay=1),
+    "state-full-checkpoints-async-spec3-dense": Scenario(
+        Config(num_gpu_blocks=28, block_size=4, offload_block_size=4, tier_blocks=8, token_budget=16,
+               groups=(Group(state=True), Group()), async_scheduling=True, num_spec_tokens=3, checkpoint_alignment=1,
+               retention_interval=None), delay=1),
 }
 
 

@@ -180,14 +180,23 @@ def test_mamba_state_outside_align_mode_is_one_clear_error(model):
         config_from_vllm(vllm_config, kv_cache_config)
 
 
-def test_prefill_checkpoints_of_a_state_are_one_clear_error(model):
+def test_prefill_checkpoints_and_retention_reach_the_config_and_disagreeing_groups_are_one_clear_error(model):
     """vLLM's Mamba2 layers (Nemotron-H, Granite 4, Falcon-H1, Bamba) save a state inside a prefill chunk, in a block
-    of their own (``num_prefill_checkpoint_blocks``): not modelled yet, so refused at start-up."""
+    of their own (``num_prefill_checkpoint_blocks``), a multiple of ``prefill_checkpoint_alignment`` tokens into it;
+    the spec models where (``Config.checkpoint_alignment``), and the prefix cache's retention. State groups that
+    disagree on checkpoints are refused: vLLM's scheduler follows the first one's."""
     vllm_config, kv_cache_config = make_configs(model, 32, CONNECTOR, MODULE, {}, groups=(STATE, Group()))
-    group = kv_cache_config.kv_cache_groups[0]
-    kv_cache_config.kv_cache_groups[0] = replace(group, kv_cache_spec=replace(group.kv_cache_spec,
-                                                                              num_prefill_checkpoint_blocks=1))
-    with pytest.raises(ConfigError, match="KV cache group 0 saves checkpoints of its state inside prefill chunks"):
+    config = config_from_vllm(vllm_config, kv_cache_config)
+    assert (config.checkpoint_alignment, config.retention_interval) == (None, 0)  # a gated delta net, vLLM's default
+    vllm_config, kv_cache_config = make_configs(model, 32, CONNECTOR, MODULE, {}, groups=(STATE, Group(), STATE),
+                                                checkpoint_alignment=8, retention_interval=None)
+    config = config_from_vllm(vllm_config, kv_cache_config)
+    assert (config.checkpoint_alignment, config.retention_interval) == (8, None)
+    group = kv_cache_config.kv_cache_groups[2]
+    kv_cache_config.kv_cache_groups[2] = replace(group, kv_cache_spec=replace(group.kv_cache_spec,
+                                                                              prefill_checkpoint_alignment=1))
+    with pytest.raises(ConfigError, match=r"the Mamba KV cache groups disagree on prefill checkpoints \(saved, "
+                                          r"alignment\): \[\(True, 1\), \(True, 8\)\]"):
         config_from_vllm(vllm_config, kv_cache_config)
 
 

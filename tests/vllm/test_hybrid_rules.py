@@ -20,8 +20,8 @@ from vllm.v1.core.single_type_kv_cache_manager import MambaManager, SlidingWindo
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,  # noqa: E402
                                         SlidingWindowSpec)
 
-from kvoffload.spec.groups import Group, longest_hit  # noqa: E402
-from kvoffload.spec.types import key_index  # noqa: E402
+from kvoffload.spec.groups import Group, longest_hit, retained  # noqa: E402
+from kvoffload.spec.types import NULL_BLOCK, key_index  # noqa: E402
 
 NUM_BLOCKS = 64
 
@@ -72,6 +72,24 @@ def test_the_longest_hit_is_vllms(groups, block_size, num_hashes, data):
     assert longest_hit(groups, sizes, num_hashes * hash_size, lambda g, b: (g, b) in cached) == hit_tokens
 
 
+@settings(max_examples=400, deadline=None)
+@given(group=st.one_of(st.just(STATE), windows.map(Group)), size=st.sampled_from([1, 2, 4, 8]),
+       scale=st.sampled_from([1, 2, 4]), interval=st.sampled_from([None, 0, 1, 2, 3, 5]), start=st.integers(0, 20),
+       num_blocks=st.integers(1, 30), boundaries=st.lists(st.integers(1, 240), max_size=2))
+def test_the_blocks_the_prefix_cache_keeps_are_vllms(group, size, scale, interval, start, num_blocks, boundaries):
+    """Which window and state blocks get a hash once computed (``groups.retained``), in every retention mode: dense,
+    vLLM's default (only where a later request resumes) and one per interval, with hits aligned to a unit of one,
+    two or four blocks (a hybrid model's scheduler block)."""
+    unit = size * scale
+    tokens = None if interval is None else interval * unit  # vLLM wants a multiple of the scheduler block size
+    manager = MambaManager if group.state else SlidingWindowManager
+    mask = manager.reachable_block_mask(start, start + num_blocks, unit, vllm_spec(group, size), False,
+                                        retention_interval=tokens, reachable_boundaries=boundaries)
+    ours = [retained(group, block, size, unit, boundaries, tokens) for block in range(start, start + num_blocks)]
+    assert ours == (mask if mask is not None else [True] * num_blocks)
+    assert retained(Group(), start, size, unit, boundaries, tokens)  # full attention keeps every block
+
+
 @settings(deadline=None)
 @given(window=windows, block_size=st.sampled_from([1, 2, 4, 8, 16]), num_tokens=st.integers(0, 200))
 def test_the_blocks_a_sliding_window_frees_are_vllms(window, block_size, num_tokens):
@@ -95,39 +113,45 @@ def test_the_blocks_a_state_frees_are_vllms(block_size, num_tokens):
 
 @pytest.fixture(scope="module")
 def aligned_schedulers(tmp_path_factory):
-    """vLLM's real Scheduler for a model with recurrent state in align mode, per (block size, token budget)."""
+    """vLLM's real Scheduler for a model with recurrent state in align mode, per (block size, token budget, prefill
+    checkpoint alignment: None for a gated delta net, 1 for Mamba2 layers, 8 for a KDA backend's chunks)."""
     from kvoffload.impl.testing.demo import build_tiny_llama
     from kvoffload.impl.testing.harness import make_scheduler
 
     model = build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
-    return {(size, budget): make_scheduler(model, 64, None, None, {}, max_num_batched_tokens=budget, max_num_seqs=8,
-                                           groups=(Group(state=True, block_size=size), Group(block_size=size)))
-            for size in (16, 32) for budget in (8, 24, 256)}
+    return {(size, budget, alignment): make_scheduler(
+                model, 64, None, None, {}, max_num_batched_tokens=budget, max_num_seqs=8,
+                groups=(Group(state=True, block_size=size), Group(block_size=size)), checkpoint_alignment=alignment)
+            for size, budget, alignment in SCHEDULERS}
+
+
+SCHEDULERS = [(size, budget, None) for size in (16, 32) for budget in (8, 24, 256)] + \
+    [(size, budget, alignment) for size in (16, 32) for budget in (24, 256) for alignment in (1, 8)]
 
 
 @settings(max_examples=300, deadline=None)
-@given(key=st.sampled_from([(size, budget) for size in (16, 32) for budget in (8, 24, 256)]),
-       prompt=st.integers(1, 150), outputs=st.integers(0, 40), data=st.data())
+@given(key=st.sampled_from(SCHEDULERS), prompt=st.integers(1, 150), outputs=st.integers(0, 40), data=st.data())
 def test_a_chunk_ends_where_vllm_ends_it_for_a_model_with_state(aligned_schedulers, key, prompt, outputs, data):
     """Prefill chunks of a model with recurrent state end where vLLM's scheduler ends them (``state_chunk``), from
-    every start, for every chunk the budget allows, the prompt's own and a resumed request's outputs alike."""
-    scheduler, (size, budget) = aligned_schedulers[key], key
+    every start, for every chunk the budget allows, the prompt's own and a resumed request's outputs alike, with
+    and without prefill checkpoints."""
+    scheduler, (size, budget, alignment) = aligned_schedulers[key], key
     num_tokens = prompt + outputs
     start = data.draw(st.one_of(st.integers(0, (num_tokens - 1) // size).map(lambda block: block * size),
                                 st.integers(0, num_tokens - 1)), label="start")  # on a boundary, or anywhere
     n = data.draw(st.integers(1, min(budget, num_tokens - start)), label="n")
     junction = data.draw(st.one_of(st.just(0), st.integers(1, num_tokens)), label="shared prefix boundary")
-    assert_chunk_is_vllms(scheduler, size, budget, prompt, outputs, start, n, junction)
+    assert_chunk_is_vllms(scheduler, size, budget, prompt, outputs, start, n, junction, alignment)
 
 
 def test_a_block_wider_than_the_budget_is_prefilled_in_pieces_as_vllm_does_shrunk_example(aligned_schedulers):
     """Found by Hypothesis when the harness gave vLLM's cache another block size than the state group's: a
     32-token block, a budget of 24, one prompt token and two outputs replayed as prefill."""
-    assert_chunk_is_vllms(aligned_schedulers[32, 24], 32, 24, prompt=1, outputs=2, start=0, n=1)
+    assert_chunk_is_vllms(aligned_schedulers[32, 24, None], 32, 24, prompt=1, outputs=2, start=0, n=1)
 
 
 def assert_chunk_is_vllms(scheduler, size: int, budget: int, prompt: int, outputs: int, start: int, n: int,
-                          junction: int = 0) -> None:
+                          junction: int = 0, alignment: int | None = None) -> None:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
@@ -138,20 +162,24 @@ def assert_chunk_is_vllms(scheduler, size: int, budget: int, prompt: int, output
     request.append_output_token_ids(list(range(outputs)))
     request.num_computed_tokens = start
     request.shared_prefix_boundary = junction
-    assert state_chunk(start, n, prompt, request.num_tokens, size, budget, junction) == \
+    assert state_chunk(start, n, prompt, request.num_tokens, size, budget, junction, alignment) == \
         scheduler._mamba_block_aligned_split(request, n)
 
 
 def side_by_side(tmp_path: Path, groups: tuple[Group, ...], budget: int, batches: list[list[list[int]]],
-                 async_scheduling: bool = False, num_spec_tokens: int = 0) -> dict[str, int]:
+                 async_scheduling: bool = False, num_spec_tokens: int = 0,
+                 checkpoint_alignment: int | None = None, retention_interval: int | None = None) -> dict[str, int]:
     """vLLM's real Scheduler (no connector) and the world run the same requests, a batch added once the one before
     it finished, each step's output reaching both at once (or one step late: async scheduling, ``AsyncScheduler``).
     With ``num_spec_tokens``, every decoding request is given that many drafts after each step (sync; async: the
-    scheduler schedules them itself), and vLLM accepts as many as the world did.
+    scheduler schedules them itself), and vLLM accepts as many as the world did. With ``checkpoint_alignment``, the
+    state layers save prefill checkpoints (Mamba2's ``num_prefill_checkpoint_blocks``); ``retention_interval`` is
+    the prefix cache's (vLLM's engine defaults to 0).
     After each step, both scheduled the same tokens of each request, handed the connector the same state blocks by
     id (vLLM's ``boundary_state_offloads``: same request, group and position, each block at that position of its
-    request's table), and hold a block where the other holds one and the null block where it holds its null
-    block, in every group. What was compared, counted."""
+    request's table, or freed by the schedule that hands it over: under async scheduling a state committed as its
+    output arrives may be one the next chunk no longer needs), and hold a block where the other holds one and the
+    null block where it holds its null block, in every group. What was compared, counted."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -166,14 +194,16 @@ def side_by_side(tmp_path: Path, groups: tuple[Group, ...], budget: int, batches
     size = 16
     real = make_scheduler(build_tiny_llama(tmp_path / "tiny-llama"), 64, None, None, {},
                           max_num_batched_tokens=budget, max_num_seqs=8, async_scheduling=async_scheduling,
-                          num_spec_tokens=num_spec_tokens,
+                          num_spec_tokens=num_spec_tokens, checkpoint_alignment=checkpoint_alignment,
+                          retention_interval=retention_interval,
                           groups=tuple(Group(block_size=size, state=g.state, window=g.window) for g in groups))
     config = Config(num_gpu_blocks=64, block_size=size, offload_block_size=size, tier_blocks=2, token_budget=budget,
-                    groups=groups, async_scheduling=async_scheduling, num_spec_tokens=num_spec_tokens)
+                    groups=groups, async_scheduling=async_scheduling, num_spec_tokens=num_spec_tokens,
+                    checkpoint_alignment=checkpoint_alignment, retention_interval=retention_interval)
     world = World(config, SpecConnector(config), ListKV(64), Executor(0), grouped=len(groups) > 1)
     init_none_hash(sha256)
     hasher, counts = get_request_block_hasher(size, sha256), dict.fromkeys(
-        ("steps", "handed_off", "drafts", "moved", "junction_steps"), 0)
+        ("steps", "handed_off", "freed_handed_off", "drafts", "moved", "junction_steps"), 0)
     held: dict[tuple[str, int], list[int]] = {}
     managers = real.kv_cache_manager.coordinator.single_type_managers
     drained: list[dict] = []
@@ -202,12 +232,14 @@ def side_by_side(tmp_path: Path, groups: tuple[Group, ...], budget: int, batches
                           for g, _block, tokens in entries) == \
                 sorted((order[req_id], g, tokens) for req_id, g, _block, tokens in ours.state_handoffs), \
                 (drained[-1], ours)
-            for req_id, entries in drained[-1].items():
-                assert all(managers[g].req_to_blocks[req_id][tokens // size - 1].block_id == block
+            for req_id, entries in drained[-1].items():  # where its table holds it, or freed by this schedule
+                assert all(managers[g].req_to_blocks[req_id][tokens // size - 1].block_id in (block, 0)
                            for g, block, tokens in entries)
+                counts["freed_handed_off"] += sum(managers[g].req_to_blocks[req_id][tokens // size - 1].block_id == 0
+                                                  for g, block, tokens in entries)
             for req_id, g, block, tokens in ours.state_handoffs:
                 holder = world.requests.get(req_id) or world.delayed.get(req_id)  # it may have finished since
-                assert holder is None or holder.tables[g][tokens // size - 1] == block
+                assert holder is None or holder.tables[g][tokens // size - 1] in (block, NULL_BLOCK)
             counts["handed_off"] += len(ours.state_handoffs)
             if len(late) > async_scheduling or not real.requests:
                 real.update_from_output(*late.pop(0))
@@ -226,24 +258,35 @@ def side_by_side(tmp_path: Path, groups: tuple[Group, ...], budget: int, batches
                     counts["moved"] += len(set(theirs[len(before):]) & set(before) - {0})
                     held[req_id, g] = theirs
             counts["steps"] += 1
-    return counts | {"engine_hit_blocks": world.stats["engine_hit_blocks"]}
+    return counts | {"engine_hit_blocks": world.stats["engine_hit_blocks"], "checkpoints": world.stats["checkpoints"]}
 
 
+# The prefix cache's retention: every window and state block kept, vLLM's engine default (only where a later request
+# resumes: the prompt's last block boundary, a shared-prefix junction), and one per two blocks.
+RETENTIONS = pytest.mark.parametrize("retention", [None, 0, 32], ids=["dense", "default", "every-32"])
+
+
+@RETENTIONS
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_state_group_holds_the_blocks_vllm_holds(tmp_path, async_scheduling):
+def test_a_state_group_holds_the_blocks_vllm_holds(tmp_path, async_scheduling, retention):
     """One block per chunk, none where a chunk passed, the one before the last freed once the next chunk is
     computed (``MambaManager``); a prefix hit holds its last state only. A sliding window's group beside it frees
     what vLLM frees, when it frees it: under async scheduling, only below the tokens of steps delivered. A prompt,
-    then ones that share its first four and two blocks, each state handed over as its chunk is scheduled."""
+    then ones that share its first four and two blocks, each state handed over as its chunk is scheduled (in
+    vLLM's default retention, only the states a later request resumes at)."""
     first = [i % 3 for i in range(70)]
     counts = side_by_side(tmp_path, (STATE, Group(), Group(window=20)), 40,  # chunks of two blocks: a state each
-                          [[first], [first[:64] + [2] * 30], [first[:32] + [1] * 20]], async_scheduling)
-    assert counts["steps"] > 40 and counts["handed_off"] > 10 and counts["engine_hit_blocks"] > 0
+                          [[first], [first[:64] + [2] * 30], [first[:32] + [1] * 20]], async_scheduling,
+                          retention_interval=retention)
+    assert counts["steps"] > 40 and counts["handed_off"] > (10 if retention is None else 3)
+    assert counts["engine_hit_blocks"] > 0
 
 
-@pytest.mark.parametrize("num_spec_tokens, async_scheduling", [(1, False), (3, False), (2, True)],
-                         ids=["spec1", "spec3", "spec2-async"])
-def test_a_state_group_moves_its_speculative_blocks_as_vllm_does(tmp_path, num_spec_tokens, async_scheduling):
+@RETENTIONS
+@pytest.mark.parametrize("num_spec_tokens, async_scheduling", [(1, False), (3, False), (2, True), (3, True)],
+                         ids=["spec1", "spec3", "spec2-async", "spec3-async"])
+def test_a_state_group_moves_its_speculative_blocks_as_vllm_does(tmp_path, num_spec_tokens, async_scheduling,
+                                                                  retention):
     """With speculative decoding a state group holds, after the block of the running state, a block for the state
     after each draft token (``num_speculative_blocks``); a chunk that passes them moves them to the end of the table,
     the null block in their place (``_relocate_speculative_block``). The world's tables, hand-offs and hits are
@@ -252,28 +295,51 @@ def test_a_state_group_moves_its_speculative_blocks_as_vllm_does(tmp_path, num_s
     first = [i % 3 for i in range(100)]
     counts = side_by_side(tmp_path, (STATE, Group(), Group(window=20)), 40,
                           [[first], [first[:64] + [2] * 30], [first[:80] + [1] * 40]], async_scheduling,
-                          num_spec_tokens)
-    assert counts["drafts"] > 60 and counts["moved"] > 1 and counts["handed_off"] > 10
+                          num_spec_tokens, retention_interval=retention)
+    assert counts["drafts"] > 60 and counts["moved"] > 1 and counts["handed_off"] > (10 if retention is None else 2)
     assert counts["engine_hit_blocks"] > 0
 
 
-def test_a_chunk_stops_where_a_shared_prefix_stops_being_cached(tmp_path):
+@RETENTIONS
+@pytest.mark.parametrize("alignment, budget, num_spec_tokens, async_scheduling",
+                         [(1, 256, 0, False), (1, 40, 0, True), (8, 72, 0, False), (1, 64, 2, False), (1, 64, 3, True)],
+                         ids=["mamba2", "mamba2-async", "kda", "mamba2-spec2", "mamba2-spec3-async"])
+def test_a_state_group_saves_prefill_checkpoints_as_vllm_does(tmp_path, alignment, budget, num_spec_tokens,
+                                                               async_scheduling, retention):
+    """Mamba2 and KDA layers save the state at the prompt's last block boundary inside its last chunk (a prefill
+    checkpoint), instead of ending a chunk there: vLLM keeps the block before the running state's for it (a
+    speculative block that would move stays there; with every state kept, it keeps one in every chunk that saves
+    one), and the worker writes it. The world's chunks, tables, hand-offs and hits are vLLM's, step by step."""
+    first = [i % 3 for i in range(100)]
+    counts = side_by_side(tmp_path, (STATE, Group(), Group(window=20)), budget,
+                          [[first], [first[:64] + [2] * 30], [first[:80] + [1] * 41, first[:50] + [2] * 25]],
+                          async_scheduling, num_spec_tokens, alignment, retention)
+    assert counts["checkpoints"] > 2 and counts["handed_off"] > 5 and counts["engine_hit_blocks"] > 0
+    if num_spec_tokens == 3 and retention != 0:  # the state at 96 (a draft reached it) is handed over as the
+        assert counts["freed_handed_off"] > 0  # schedule frees it (vLLM's default keeps no state at 96)
+
+
+@RETENTIONS
+def test_a_chunk_stops_where_a_shared_prefix_stops_being_cached(tmp_path, retention):
     """A prompt sharing 80 tokens with one computed before it hits the state at 64 only (the state at 80 was never
     computed), while the attention blocks reach 80. vLLM notes where (``shared_prefix_boundary``, from
     ``num_uncached_common_prefix_tokens``) and ends the chunk there, so that the state at 80 is cached for the
     next prompt sharing it. The world without this ran the chunk to 96 (scheduled 32 tokens, vLLM 16)."""
     first = [i % 3 for i in range(100)]
-    counts = side_by_side(tmp_path, (STATE, Group()), 40, [[first], [first[:80] + [1] * 40], [first[:80] + [2] * 9]])
+    counts = side_by_side(tmp_path, (STATE, Group()), 40, [[first], [first[:80] + [1] * 40], [first[:80] + [2] * 9]],
+                          retention_interval=retention)
     assert counts["junction_steps"] > 0 and counts["engine_hit_blocks"] > 0
 
 
-def test_no_request_starts_from_a_state_not_computed_yet(tmp_path):
+@RETENTIONS
+def test_no_request_starts_from_a_state_not_computed_yet(tmp_path, retention):
     """A state enters vLLM's prefix cache as its chunk is scheduled, before the forward pass computes it; a request
     admitted in that step whose hit ends there would read it unwritten, so vLLM admits no more requests that step
     (``MambaManager.get_num_blocks_to_allocate``). The world without this admitted the second prompt on the first
     one's state at 48 in the very step that computed it (caught by CONTENT); here it waits a step, as in vLLM."""
     first = [i % 3 for i in range(48)]
-    counts = side_by_side(tmp_path, (STATE,), 64, [[first, first + [2] * 12, first[:32] + [1] * 20]])
+    counts = side_by_side(tmp_path, (STATE,), 64, [[first, first + [2] * 12, first[:32] + [1] * 20]],
+                          retention_interval=retention)
     assert counts["steps"] > 30 and counts["engine_hit_blocks"] > 0
 
 
