@@ -14,7 +14,8 @@ every request one block table per group (its blocks come from one shared pool). 
     block before it (``get_num_skipped_tokens``: ``n - 1``), as for a window of 2 tokens. Unlike a window, state
     is written only where a chunk ends: vLLM allocates one block for the end of each chunk, leaves the null block
     at the positions a chunk passes (``allocate_new_blocks``), and ends prefill chunks on block boundaries so that
-    each one leaves a state a later request can hit (the scheduler's ``_mamba_block_aligned_split``).
+    each one leaves a state a later request can hit (the scheduler's ``_mamba_block_aligned_split``). Which of
+    those states, and which of a window's blocks, the prefix cache keeps is ``retained``'s to say.
 
 Groups may have blocks of different sizes: vLLM gives every group blocks of one byte size, so a group whose layers
 keep fewer bytes per token gets blocks of more tokens (``unify_kv_cache_spec_page_size``). Block hashes are then

@@ -37,6 +37,10 @@ The engine modes vLLM runs on GPUs are modelled too, because each one changes wh
     block a chunk later). The state's content is its whole prefix's, as the chained block hash is. A chunk also
     ends where a shared prefix stops being cached in some group. With speculative decoding a block follows the
     running state's for the state after each draft, and moves to the end of the table once a chunk passes it.
+    Mamba2 and KDA layers save the state at the prompt's last block boundary inside its last chunk, in a block
+    kept for it (a prefill checkpoint);
+  * the prefix cache keeps window and state blocks only where a later request resumes, as vLLM does by default
+    (``Config.retention_interval``: also one per interval, or every one).
 """
 
 from __future__ import annotations
