@@ -100,8 +100,7 @@ HYBRID_SCENARIOS = {
         Config(num_gpu_blocks=28, block_size=4, offload_block_size=4, tier_blocks=8,
                groups=(Group(state=True), Group(6)), async_scheduling=True, num_spec_tokens=3), delay=2),
     # Mamba2 and KDA layers save a prefill checkpoint inside the prompt's last chunk, into a block kept for it (a
-    # speculative block that would move stays there); under async scheduling a state a draft reached is handed over
-    # as the schedule frees its block
+    # speculative block that would move stays there)
     "hybrid-state-full-checkpoints-async-spec3-delayed-failures": Scenario(
         Config(num_gpu_blocks=28, block_size=4, offload_block_size=4, tier_blocks=8, token_budget=16,
                groups=(Group(state=True), Group()), async_scheduling=True, num_spec_tokens=3, checkpoint_alignment=1),
