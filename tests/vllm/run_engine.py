@@ -72,5 +72,9 @@ if __name__ == "__main__":
         result["interval"] = functools.reduce(lambda a, b: a.aggregate(b), logged).data if logged else {}
         result["events"] = [(type(e).__name__, getattr(e, "medium", None), getattr(e, "group_idx", None))
                             for e in getattr(connector, "recorded", [])]
+        # what the adapter derived from the engine's KV cache config, beside what the engine's scheduler runs with
+        result["derived"] = {"retention_interval": connector.config.retention_interval,
+                             "checkpoint_alignment": connector.config.checkpoint_alignment,
+                             "engine_retention_interval": scheduler.kv_cache_config.prefix_cache_retention_interval}
     print("RESULT " + json.dumps(result), flush=True)
     sys.exit(0)

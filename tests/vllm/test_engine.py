@@ -167,6 +167,9 @@ def test_a_model_with_recurrent_state_offloads_its_state(qwen3_next, qwen3_next_
     assert run["stats"]["hit_tokens"] > 0 and run["stats"]["shadow"].startswith("ok:"), run["stats"]
     stored = {group for kind, _medium, group in run["events"] if kind == "BlockStored"}
     assert stored == {0, 1, 2, 3}  # every state group's blocks were stored, and the attention group's
+    # the world's retention is the engine's own default (only where a later request resumes), and gated delta nets
+    # save no prefill checkpoint: as the adapter derives them from the engine's KV cache config
+    assert run["derived"] == {"retention_interval": 0, "checkpoint_alignment": None, "engine_retention_interval": 0}
 
 
 def test_engines_of_a_model_with_recurrent_state_share_it_through_the_shared_tier(qwen3_next, qwen3_next_alone,
