@@ -826,7 +826,7 @@ class World:
     def _retained(self, req: Request, g: int, i: int) -> bool:
         """Whether the prefix cache keeps block ``i`` of group ``g`` of this request (``groups.retained``): where a
         later request resumes is the prompt's last token, and the shared-prefix junction if it has one."""
-        boundaries = (req.num_prompt_tokens - 1, req.shared_prefix_boundary)[:1 + bool(req.shared_prefix_boundary)]
+        boundaries = [req.num_prompt_tokens - 1] + ([req.shared_prefix_boundary] if req.shared_prefix_boundary else [])
         return retained(self.groups[g], i, self.block_sizes[g], lcm(*self.block_sizes), boundaries,
                         self.config.retention_interval)
 
