@@ -22,8 +22,11 @@ recently is leased (``default_kv_lease_ttl``): the pool keeps it that long.
 **Errors.** A timeout, a master that is down or frozen, a segment gone with its engine: each is a miss or a dropped
 write, counted by its kind, and deletes nothing. Every call is bounded by Mooncake's ``MC_RPC_TIMEOUT_MS``, which
 only the operator sets (the engine's environment is not ours to change); unset, a frozen master holds a call 30 s,
-and the tier says so when it joins the pool. Only a record that fails its check is removed: the pool
-refuses while the read that found it holds its lease, so the tier refuses it unread until it can remove it.
+and the tier says so when it joins the pool. A master that is gone costs more: the client tries to reconnect in
+every call, about 4 s each. So once a call could not reach the master, the pool counts as down for ``retry_after``
+seconds: every call fails at once (counted as ``down``), then one call at a time tries again. Only a record that
+fails its check is removed: the pool refuses while the read that found it holds its lease, so the tier refuses it
+unread until it can remove it.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 import numpy
@@ -55,6 +58,9 @@ REACH_TIMEOUT = 2.0  # seconds the master and the metadata server may take to ac
 logger = logging.getLogger("kvoffload.tiers.mooncake")
 ERRORS = {-704: "missing", -706: "leased", -600: "too_large", -900: "rpc", -901: "timeout", -10: "buffer",
           -200: "pool_full", -800: "transfer", -703: "not_ready"}
+UNREACHED = (-900, -901)  # the master could not be reached, or did not answer in time
+DOWN = -1_000_000  # ours: not called, the pool counts as down
+ERRORS[DOWN] = "down"
 
 
 @frozen
@@ -69,6 +75,7 @@ class MooncakeSettings:
     segment_bytes: int = 0  # host memory this engine lends the pool (records there leave with the engine)
     buffer_bytes: int = 128 << 20  # the client's own transfer buffer
     lease: float = 5.0  # seconds the pool keeps an object after a read (the master's default_kv_lease_ttl)
+    retry_after: float = 1.0  # seconds every call fails at once after one could not reach the master
 
     def check(self) -> None:
         """At start-up: the master and its metadata server accept a connection within ``REACH_TIMEOUT`` and the
@@ -132,6 +139,8 @@ class MooncakeTier:
         self._asks = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-mooncake-ask")
         self._buffers = threading.local()
         self._condemned: dict[str, float] = {}  # objects that failed their check -> when to try removing them again
+        self._down_until: float | None = None  # the pool counts as down until then (None: up)
+        self._trying = False  # a call is trying a pool that was down
         self._prefix = f"{PREFIX}/{namespace.digest.hex()}/"
         self._attach()
 
@@ -145,6 +154,26 @@ class MooncakeTier:
 
     def _error(self, code: int) -> str:
         return ERRORS.get(code, f"mooncake{-code}")
+
+    def _call(self, call: Callable[..., Any], *args: Sequence[Any]) -> Any:
+        """``call(*args)``: its error code per name (the first argument), or one code if it names one object. While
+        the pool counts as down (for ``retry_after`` seconds after a call could not reach the master, and while
+        another call tries it again), ``DOWN`` at once."""
+        with self._lock:
+            if self._down_until is not None:
+                if self._trying or time.monotonic() < self._down_until:
+                    return DOWN if isinstance(args[0], str) else [DOWN] * len(args[0])
+                self._trying = True
+        result = None
+        try:
+            result = call(*args)
+            return result
+        finally:
+            unreached = result is None or not set(UNREACHED).isdisjoint(result if isinstance(result, list)
+                                                                        else [result])
+            with self._lock:
+                self._trying = False
+                self._down_until = time.monotonic() + self.settings.retry_after if unreached else None
 
     def _buffer(self, size: int) -> _Buffer:
         buffer: _Buffer | None = getattr(self._buffers, "buffer", None)
@@ -173,7 +202,7 @@ class MooncakeTier:
     def exists(self, keys: Sequence[RecordKey]) -> list[bool]:
         self._remove_condemned()
         names, found = list(map(self.name, keys)), []
-        for name, code in zip(names, self.store.batch_is_exist(names)):
+        for name, code in zip(names, self._call(self.store.batch_is_exist, names)):
             if code < 0:
                 self._count(f"errors_{self._error(code)}")
             found.append(code == 1 and name not in self._condemned)
@@ -193,9 +222,9 @@ class MooncakeTier:
         names = list(map(self.name, keys))
         rows = [memoryview(target).cast("B")[:self.payload_len] for target in into]
         arrays = [numpy.frombuffer(row, dtype=numpy.uint8) for row in rows]  # held until the call returns
-        codes = self.store.batch_get_into_multi_buffers(
-            names, [[buffer.address + at, array.ctypes.data] for at, array in zip(offsets, arrays)],
-            [[head, self.payload_len] for head in heads])
+        codes = self._call(self.store.batch_get_into_multi_buffers,
+                           names, [[buffer.address + at, array.ctypes.data] for at, array in zip(offsets, arrays)],
+                           [[head, self.payload_len] for head in heads])
         return [self._take(key, name, code, buffer.view[at:at + head], row)
                 for key, name, code, at, head, row in zip(keys, names, codes, offsets, heads, rows)]
 
@@ -206,7 +235,7 @@ class MooncakeTier:
             self._count("misses")
             return False
         if code in (-600, -800):  # the pool refused our buffers: an object of another size, or an error
-            size, expected = self.store.get_size(name), len(header) + self.payload_len
+            size, expected = self._call(self.store.get_size, name), len(header) + self.payload_len
             if size >= 0 and size != expected:
                 self._quarantine(name, "length" if size > expected else "short")
                 return False
@@ -236,7 +265,7 @@ class MooncakeTier:
             for name in due:
                 self._condemned[name] = now + self.settings.lease
         for name in due:
-            code = self.store.remove(name)
+            code = self._call(self.store.remove, name)
             if code in (0, -704):
                 with self._lock:
                     self._condemned.pop(name, None)
@@ -246,7 +275,7 @@ class MooncakeTier:
     def put(self, records: Sequence[tuple[RecordKey, Bytes]]) -> list[str]:
         self._remove_condemned()
         names = [self.name(key) for key, _ in records]
-        present = self.store.batch_is_exist(names)
+        present = self._call(self.store.batch_is_exist, names)
         outcomes = ["present" if code == 1 else f"dropped:{self._error(code)}" if code < 0 else ""
                     for code in present]
         todo = [i for i, outcome in enumerate(outcomes) if not outcome]
@@ -259,7 +288,7 @@ class MooncakeTier:
                 pointers.append([buffer.address + at, array.ctypes.data])
                 sizes.append([len(header), array.nbytes])
                 at += len(header)
-            codes = self.store.batch_put_from_multi_buffers([names[i] for i in todo], pointers, sizes)
+            codes = self._call(self.store.batch_put_from_multi_buffers, [names[i] for i in todo], pointers, sizes)
             for i, code in zip(todo, codes):
                 outcomes[i] = "stored" if code == 0 else f"dropped:{self._error(code)}"
         with self._lock:
@@ -268,4 +297,4 @@ class MooncakeTier:
 
     def delete(self, keys: Sequence[RecordKey]) -> None:
         for key in keys:
-            self.store.remove(self.name(key))
+            self._call(self.store.remove, self.name(key))

@@ -81,6 +81,8 @@ SHARED_BACKENDS: dict[str, dict[str, Check]] = {
                           "an int >= 0: host memory this engine lends the pool (0: store nodes hold it all)", OPTIONAL),
         "buffer_bytes": (_positive_int, "a positive int: the client's own transfer buffer", OPTIONAL),
         "lease": (_positive_seconds, "the master's default_kv_lease_ttl, in seconds", OPTIONAL),
+        "retry_after": (lambda v: _positive_seconds(v) or (v == 0 and not isinstance(v, bool)),
+                        "seconds >= 0 every call fails at once after one could not reach the master", OPTIONAL),
     },
 }
 

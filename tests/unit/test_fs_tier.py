@@ -49,9 +49,10 @@ def wait(answer, limit=5.0):
     return answer.result()
 
 
-def frozen_store_costs_its_timeout(engine: SharedTier, store, limit: float, dropped: str) -> None:
+def frozen_store_costs_its_timeout(engine: SharedTier, store, limit: float, dropped: str, recover: float = 0) -> None:
     """A store that stops answering (``store.freeze()``) costs a lookup its deadline and a read or write the tier's
-    timeout (a read under ``limit`` seconds), each counted, never a wrong byte; thawed, it serves again."""
+    timeout (a read under ``limit`` seconds), each counted, never a wrong byte; thawed, it serves again (``recover``
+    seconds on)."""
     engine.put([(KEY, payload(1))])
     store.freeze()
     try:
@@ -65,6 +66,7 @@ def frozen_store_costs_its_timeout(engine: SharedTier, store, limit: float, drop
         assert wait(answer) == [False]  # the check itself ends at the timeout
     finally:
         store.thaw()
+    time.sleep(recover)
     assert read(engine) == payload(1)  # a fresh call: no late reply is taken for this one
 
 

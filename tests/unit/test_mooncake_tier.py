@@ -104,20 +104,23 @@ def test_an_object_another_client_replaced_is_detected_counted_and_removed(maste
     assert writer.put([(KEY, payload(1))]) == ["stored"] and read(reader) == payload(1)
 
 
-def test_a_killed_master_is_a_miss_and_a_dropped_write_then_serves_again_after_its_restart(master):
-    engine = tier(master)
+def test_a_killed_master_is_a_miss_and_a_dropped_write_at_once_until_it_is_back(master):
+    """The first call after the kill finds the master's connection closed; every call after it would try to
+    reconnect, about 4 s each. Instead the pool counts as down, and every call fails at once for ``retry_after``,
+    then one call at a time tries again. Nothing is quarantined; after the restart, writes are stored again."""
+    engine = tier(master, retry_after=1.0)
     engine.put([(KEY, payload(1))])
     master.kill()
+    assert read(engine) is None and engine.counters["errors_rpc"] == 1
     began = time.monotonic()
-    assert read(engine) is None and engine.put([(5, payload(2))])[0].startswith("dropped:")
-    assert wait(engine.ask([KEY]), limit=10) == [False]
-    assert time.monotonic() - began < 15  # the client's reconnect: about 4 s a call here (not bounded by us yet)
+    assert engine.put([(5, payload(2))]) == ["dropped:down"] and read(engine) is None
+    assert wait(engine.ask([KEY, 5])) == [False, False]
+    assert time.monotonic() - began < 0.5 and engine.counters["errors_down"] == 3  # at once, each counted
     assert not any(name.startswith("quarantined") for name in engine.counters)
     master.start()  # it comes back empty: the pool's objects were its metadata
-    assert read(engine) is None
     began = time.monotonic()
-    while engine.put([(KEY, payload(3))]) != ["stored"]:  # until the client has mounted its segment again
-        assert time.monotonic() - began < 30
+    while engine.put([(KEY, payload(3))]) != ["stored"]:  # the next try once retry_after is over, until the
+        assert time.monotonic() - began < 30  # client has mounted its segment again
         time.sleep(0.2)
     print(f"stored again {time.monotonic() - began:.1f} s after the restart")
     assert read(engine) == payload(3)
@@ -160,7 +163,8 @@ def test_a_full_pool_evicts_old_records_and_drops_writes_and_serves_nothing_wron
 
 
 def test_a_frozen_master_costs_a_lookup_its_deadline_and_a_read_its_timeout_never_more(master):
-    frozen_store_costs_its_timeout(tier(master), master, 1.5, "dropped:timeout")
+    """Its first calls cost the timeout; the pool then counts as down, and a write fails at once."""
+    frozen_store_costs_its_timeout(tier(master, retry_after=0.5), master, 1.5, "dropped:down", recover=0.5)
 
 
 def test_a_master_or_metadata_server_that_cannot_be_reached_is_a_clear_error_that_names_the_key(master):

@@ -109,6 +109,8 @@ def test_good_values_are_read(model):
                        "protocol": "efa"}), "shared_tier.protocol='efa': expected 'tcp' or 'rdma'"),
     (dict(shared_tier={"backend": "mooncake", "master": "m:50051", "metadata": "http://m:8080/metadata",
                        "segment_bytes": -1}), "shared_tier.segment_bytes=-1: expected an int >= 0"),
+    (dict(shared_tier={"backend": "mooncake", "master": "m:50051", "metadata": "http://m:8080/metadata",
+                       "retry_after": False}), "shared_tier.retry_after=False: expected seconds >= 0"),
 ])
 def test_bad_value_is_one_clear_error(model, extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
