@@ -7,7 +7,9 @@ import argparse
 import functools
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -23,6 +25,7 @@ if __name__ == "__main__":
                         help="between rounds, reset the connector too (a weight update)")
     parser.add_argument("--kv-events", action="store_true", help="the engine publishes KV cache events")
     parser.add_argument("--max-file-bytes", type=int, help="no file may grow past this (as on a full disk: EFBIG)")
+    parser.add_argument("--kill-between-rounds", type=int, help="SIGKILL this process after the first round")
     args = parser.parse_args()
 
     from vllm.config import KVTransferConfig
@@ -56,10 +59,16 @@ if __name__ == "__main__":
             before = dict(scheduler_connector(llm).stats())
             outputs += run_rounds(llm, prompts, rounds=args.rounds - 1, max_tokens=8)
             result |= {"outputs": outputs, "stats_before_reset": before}
+        elif args.kill_between_rounds:
+            outputs = run_rounds(llm, prompts, rounds=1, max_tokens=8)
+            os.kill(args.kill_between_rounds, signal.SIGKILL)
+            result = {"outputs": outputs + run_rounds(llm, prompts, rounds=args.rounds - 1, max_tokens=8)}
         else:
             result = {"outputs": run_rounds(llm, prompts, rounds=args.rounds, max_tokens=8)}
         if config is not None:
+            began = time.perf_counter()
             drain(llm)  # every transfer reported: the counters are the whole run's
+            result["drain_seconds"] = time.perf_counter() - began
     except Exception as exc:  # noqa: BLE001 - reported to the test, with whatever the connector saw
         result = {"error": f"{type(exc).__name__}: {exc}"}
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler

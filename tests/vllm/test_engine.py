@@ -29,13 +29,16 @@ def model(tmp_path_factory) -> Path:
 
 def start_engine(model: Path, connector: str = "", gpu_blocks: int = 48, rounds: int = 2,
                  reset_connector: bool = False, max_file_bytes: int = 0, kv_events: bool = False,
-                 environ: dict[str, str] | None = None, **extra) -> subprocess.CompletedProcess[str]:
-    """tests/vllm/run_engine.py in a process of its own (``environ`` added to its environment), to its end."""
+                 environ: dict[str, str] | None = None, kill_between_rounds: int = 0,
+                 **extra) -> subprocess.CompletedProcess[str]:
+    """tests/vllm/run_engine.py in a process of its own (``environ`` added to its environment), to its end;
+    ``kill_between_rounds``: the pid of a process it kills after the first round."""
     cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_engine.py"), "--model", str(model),
            "--connector", connector, "--extra", json.dumps(extra), "--gpu-blocks", str(gpu_blocks),
            "--rounds", str(rounds), *(["--reset-connector"] if reset_connector else []),
            *(["--max-file-bytes", str(max_file_bytes)] if max_file_bytes else []),
-           *(["--kv-events"] if kv_events else [])]
+           *(["--kv-events"] if kv_events else []),
+           *(["--kill-between-rounds", str(kill_between_rounds)] if kill_between_rounds else [])]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**ENV, **(environ or {})})
 
 

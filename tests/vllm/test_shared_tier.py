@@ -96,18 +96,23 @@ def test_a_disk_that_refuses_writes_drops_them_with_a_reason_and_the_engine_keep
     assert not list(tmp_path.rglob("*.kvr")) and run["stats"]["stored_blocks"] > 0
 
 
-def test_a_killed_mooncake_store_node_costs_recomputes_never_a_wrong_token(model, expected, mooncake_pool):
+def test_a_killed_mooncake_store_node_then_master_cost_recomputes_never_a_wrong_token(model, expected, mooncake_pool):
     """The store node that holds a Mooncake pool's memory dies between two engines. The second engine's master still
     names every record the first put, but each read fails (TRANSFER_FAIL) and each write placed in the dead node's
-    memory too: every block is recomputed, the outputs are vLLM's, and the errors and dropped writes are counted."""
+    memory too: every block is recomputed, the outputs are vLLM's, and the errors and dropped writes are counted.
+    Then the master dies after the second engine's first round: the engine serves its second round from its own
+    tier, and its last transfers end at once."""
     shared, timeout = mooncake_pool.settings(), {"MC_RPC_TIMEOUT_MS": "300"}
     first = run_engine(model, CONNECTOR, rounds=1, **ONE_ROUND, shared_tier=shared, environ=timeout)
     assert first["outputs"] == expected and first["stats"]["shared_put_blocks"] > 0
     mooncake_pool.kill_nodes()
-    second = run_engine(model, CONNECTOR, rounds=1, **ONE_ROUND, shared_tier=shared, environ=timeout)
-    assert second["outputs"] == expected
+    assert mooncake_pool.process is not None
+    second = run_engine(model, CONNECTOR, rounds=2, **ONE_ROUND, shared_tier=shared, environ=timeout,
+                        kill_between_rounds=mooncake_pool.process.pid)
+    assert second["outputs"] == expected * 2
     assert second["stats"]["shared_got_blocks"] == 0 and second["stats"]["shared_quarantined"] == 0
     assert second["stats"]["shared_errors"] > 0 and second["stats"]["shared_dropped"] > 0, second["stats"]
+    assert second["stats"]["hit_tokens"] > 0 and second["drain_seconds"] < 1
 
 
 def test_a_writer_killed_mid_write_leaves_nothing_that_is_ever_served(model, expected, tmp_path):
