@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     worst: dict[str, float] = {}
     wrong = []
     print(f"\n{'requests':>8} {'workload':>8} {'none tok/s':>10} {'ours tok/s':>10} {'ratio':>6}   "
-          f"{'none TTFT':>9} {'ours TTFT':>9} {'ratio':>6}   {'hit tokens':>10}  (ms, medians of {args.rounds})")
+          f"{'none TTFT':>9} {'ours TTFT':>9} {'ratio':>6}   {'hit tokens':>10} {'copies':>6}  (ms, medians of "
+          f"{args.rounds}; copies: the share of our batch spent copying into the tier)")
     try:
         for n in args.requests:
             for kind in WORKLOADS:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = summarize(rounds)
                 print(f"{n:>8} {kind:>8} {row['none_tps']:>10.0f} {row['ours_tps']:>10.0f} {row['tps_ratio']:>6.3f}   "
                       f"{row['none_ttft'] * 1e3:>9.1f} {row['ours_ttft'] * 1e3:>9.1f} {row['ttft_ratio']:>6.3f}   "
-                      f"{row['hit_tokens']:>10}", flush=True)
+                      f"{row['hit_tokens']:>10} {row['store_share']:>6.1%}", flush=True)
                 for name, value, pick in ((f"{kind}_tps", row["tps_ratio"], min),
                                           (f"{kind}_ttft", row["ttft_ratio"], max)):
                     worst[name] = pick(worst.get(name, value), value)
@@ -89,7 +90,8 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, float]:
             "none_ttft": statistics.median(ttft(r["none"]) for r in rounds),
             "ours_ttft": statistics.median(ttft(r["ours"]) for r in rounds),
             "ttft_ratio": statistics.median(ttft(r["ours"]) / ttft(r["none"]) for r in rounds),
-            "hit_tokens": int(statistics.median(r["ours"]["hit_tokens"] for r in rounds))}
+            "hit_tokens": int(statistics.median(r["ours"]["hit_tokens"] for r in rounds)),
+            "store_share": statistics.median(r["ours"]["store_seconds"] / r["ours"]["seconds"] for r in rounds)}
 
 
 if __name__ == "__main__":
