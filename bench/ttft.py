@@ -5,7 +5,8 @@ lengths, and the first ask of a document while the connector stores it (CPU tier
 other in this run, but the engine without a connector and the one with a CPU tier take turns, document by
 document: a CPU-tier hit's ratios to recompute and to the engine's own hit are medians over documents of ratios
 timed side by side; the other ratios are of medians at the same length. Every hit's first token is checked against
-recompute's, and every prefix-cache reset against vLLM's answer. Last line, at ``--at`` tokens:
+recompute's, and every prefix-cache reset against vLLM's answer; a way whose engine never hit (its figures would be
+recompute's) fails the run. Last line, at ``--at`` tokens:
 ``ttft_tier_vs_recompute=… ttft_tier_vs_gpu_hit=… ttft_shared_vs_recompute=… ttft_storing_vs_recompute=…
 ttft_putting_vs_recompute=…``.
 Goals at 2048 tokens: a CPU-tier hit ≤ 0.05 × recompute and ≤ 1.1 × the engine's own hit; a shared-tier hit
@@ -14,8 +15,9 @@ well: ``ttft_redis_vs_recompute=… ttft_redis_vs_tier=…`` join the last line;
 Store pool (a real master and store node on loopback ports): ``ttft_mooncake_vs_recompute=…
 ttft_mooncake_vs_tier=…``. With ``--hybrid``, a hybrid
 linear-attention model of the same size (Qwen3-Next style: gated delta nets with recurrent state, and attention) at
-``--hybrid-lengths`` (multiples of its 256-token blocks), recompute, its own hit and a CPU-tier hit taking turns as
-above: ``ttft_hybrid_tier_vs_recompute=… ttft_hybrid_tier_vs_gpu_hit=…`` (at the longest) join the last line.
+``--hybrid-lengths`` (multiples of its 256-token blocks, from 512), recompute, its own hit and a CPU-tier hit
+taking turns as above: ``ttft_hybrid_tier_vs_recompute=… ttft_hybrid_tier_vs_gpu_hit=…`` (at the longest) join the
+last line.
 
     python bench/ttft.py [--lengths 512 1024 2048 4096] [--docs 4] [--at 2048] [--redis] [--mooncake] [--hybrid]
 """
@@ -45,12 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mooncake", action="store_true", help="a Mooncake Store hit too (needs kvoffload[mooncake])")
     parser.add_argument("--hybrid", action="store_true", help="a hybrid linear-attention model's hits too")
     parser.add_argument("--hybrid-lengths", type=int, nargs="+", default=[512, 1024, 2048],
-                        help="its document lengths (multiples of 256)")
+                        help="its document lengths (multiples of 256, from 512)")
     args = parser.parse_args(argv)
     if args.at not in args.lengths or any(n <= 0 or n % 32 for n in args.lengths):
         parser.error(f"--lengths must be positive multiples of 32 and include --at {args.at}")
-    if any(n <= 0 or n % 256 for n in args.hybrid_lengths):
-        parser.error("--hybrid-lengths must be positive multiples of 256 (the hybrid model's blocks)")
+    if any(n <= 256 or n % 256 for n in args.hybrid_lengths):  # a hit ends a block before the prompt's last token
+        parser.error("--hybrid-lengths must be multiples of 256 (the hybrid model's blocks) from 512")
     model = build_prefill_llama(args.model_dir)
     with tempfile.TemporaryDirectory(prefix="kvoffload-ttft-") as directory:
         fs = {"backend": "fs", "path": directory, "bytes": 16 << 30}
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         store_figures += (f" ttft_{store}_vs_recompute={ttft[f'{store}_tier/{at}'] / ttft[f'recompute/{at}']:.3f}"
                           f" ttft_{store}_vs_tier={ttft[f'{store}_tier/{at}'] / ttft[f'cpu_tier/{at}']:.3f}")
     hybrid_figures, hybrid_wrong = hybrid(args) if args.hybrid else ("", [])
+    wrong += unexercised(runs, ("tier", "hit_tokens"), ("shared", "shared_got_blocks"),
+                         *((store, "shared_got_blocks") for store in stores))
     print(f"ttft_tier_vs_recompute={paired(runs, 'cpu_tier', 'recompute', at):.3f} "
           f"ttft_tier_vs_gpu_hit={paired(runs, 'cpu_tier', 'gpu_hit', at):.3f} "
           f"ttft_shared_vs_recompute={ttft[f'shared_tier/{at}'] / ttft[f'recompute/{at}']:.3f} "
@@ -96,6 +100,15 @@ def main(argv: list[str] | None = None) -> int:
           f"ttft_putting_vs_recompute={ttft[f'recompute_putting/{at}'] / ttft[f'recompute/{at}']:.3f}"
           + store_figures + hybrid_figures)
     return 1 if wrong or hybrid_wrong else 0
+
+
+def unexercised(runs: dict[str, Any], *ways: tuple[str, str]) -> list[str]:
+    """The ways whose engine never did what they measure (its counter stayed 0): their figures would be
+    recompute's under another name. Printed, and the run fails."""
+    missed = [f"the {way} engine's {counter} stayed 0" for way, counter in ways if not runs[way]["stats"].get(counter)]
+    for line in missed:
+        print(f"NOT MEASURED: {line}")
+    return missed
 
 
 @contextmanager
@@ -128,6 +141,7 @@ def hybrid(args: argparse.Namespace) -> tuple[str, list[str]]:
               + f"   {paired(runs, 'cpu_tier', 'recompute', n):>11.3f} {paired(runs, 'cpu_tier', 'gpu_hit', n):>8.2f}")
     print(f"first tokens identical to recompute: {'yes' if not wrong else 'NO: ' + '; '.join(wrong)}")
     print(f"connector, hybrid CPU-tier engine: {runs['tier']['stats']}")
+    wrong += unexercised(runs, ("tier", "hit_tokens"))
     at = max(args.hybrid_lengths)
     return (f" ttft_hybrid_tier_vs_recompute={paired(runs, 'cpu_tier', 'recompute', at):.3f}"
             f" ttft_hybrid_tier_vs_gpu_hit={paired(runs, 'cpu_tier', 'gpu_hit', at):.3f}"), wrong
