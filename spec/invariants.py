@@ -347,12 +347,17 @@ def completions(world: World, executor: Executor, output: WorkerOutput, load_err
 def lookup(req: Request, num_local: int, num_external: int | None, is_async: bool) -> None:
     """LOOKUP — a hit lies within the request's tokens and loads asynchronously. (A hit of the whole prompt is
     allowed: the engine recomputes the last token to sample the next, as vLLM 0.32 does. None is "ask me again next
-    step": vLLM's answer while a request still has transfers in flight.)"""
+    step": vLLM's answer while a request still has transfers in flight.)
+
+    Why asynchronously: vLLM caches a synchronous load's blocks as it schedules them, and under the recompute policy
+    a load that fails leaves them cached for other requests to read (``tests/vllm/test_sync_loads.py``). The world
+    does not model synchronous loads."""
     if num_external is None:
         return
     _require(num_external >= 0 and num_local + num_external <= req.num_tokens, "LOOKUP",
              f"request {req.req_id}: {num_local} local + {num_external} external hit tokens of {req.num_tokens}")
-    _require(num_external == 0 or is_async, "LOOKUP", f"request {req.req_id}: a tier hit must load asynchronously")
+    _require(num_external == 0 or is_async, "LOOKUP", f"request {req.req_id}: a tier hit must load asynchronously "
+             f"(a synchronous one that fails leaves its blocks in vLLM's prefix cache; not modelled)")
 
 
 def release(world: World) -> None:
