@@ -7,6 +7,7 @@ caller's)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import torch
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
@@ -27,8 +28,9 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 def make_configs(model: Path, num_blocks: int, connector: str | None, module: str | None, extra: dict,
                  block_size: int = BLOCK_SIZE, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
                  num_spec_tokens: int = 0, world_size: int = 1, groups: tuple[Group, ...] = FULL_ATTENTION,
-                 checkpoint_alignment: int | None = None,
-                 retention_interval: int | None = 0) -> tuple[VllmConfig, KVCacheConfig]:
+                 checkpoint_alignment: int | None = None, retention_interval: int | None = 0,
+                 kv_load_failure_policy: Literal["recompute", "fail"] = "recompute",
+                 ) -> tuple[VllmConfig, KVCacheConfig]:
     """The configs vLLM's engine would build for ``model`` (a config directory is enough): a KV cache of
     ``num_blocks`` blocks of ``block_size`` tokens, one KV cache group of two layers per entry of ``groups`` (full
     attention or a sliding window; a group with blocks of its own size has as much fewer bytes per token, so that
@@ -37,7 +39,8 @@ def make_configs(model: Path, num_blocks: int, connector: str | None, module: st
     ``num_spec_tokens`` turns on ngram speculative decoding (no draft model needed); ``world_size`` is the
     tensor-parallel size; ``checkpoint_alignment`` gives the state a prefill checkpoint block, as Mamba2 layers do;
     ``retention_interval`` is the prefix cache's, vLLM's default 0 unless given (None: every window and state block
-    is kept; 0: only where a later request resumes)."""
+    is kept; 0: only where a later request resumes). A failed load is recomputed unless ``kv_load_failure_policy`` is
+    "fail" (vLLM's default; our connector asks for "recompute")."""
     speculative = (SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens, prompt_lookup_max=3,
                                      prompt_lookup_min=2) if num_spec_tokens else None)
     vllm_config = VllmConfig(
@@ -52,7 +55,7 @@ def make_configs(model: Path, num_blocks: int, connector: str | None, module: st
         speculative_config=speculative,
         kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role="kv_both",
                                             kv_connector_module_path=module, kv_connector_extra_config=extra,
-                                            kv_load_failure_policy="recompute") if connector else None,
+                                            kv_load_failure_policy=kv_load_failure_policy) if connector else None,
         device_config=DeviceConfig("cpu"))
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     def spec(group: Group) -> FullAttentionSpec | SlidingWindowSpec | MambaSpec:
@@ -89,7 +92,8 @@ def make_scheduler(model: Path, num_blocks: int, connector: str | None, module: 
                    max_num_seqs: int = 16, max_num_batched_tokens: int = 256, async_scheduling: bool = False,
                    num_spec_tokens: int = 0, world_size: int = 1, log_stats: bool = False,
                    groups: tuple[Group, ...] = FULL_ATTENTION, checkpoint_alignment: int | None = None,
-                   retention_interval: int | None = 0) -> Scheduler:
+                   retention_interval: int | None = 0,
+                   kv_load_failure_policy: Literal["recompute", "fail"] = "recompute") -> Scheduler:
     """vLLM's real Scheduler (``AsyncScheduler`` with ``async_scheduling``) over the configs of ``make_configs``
     (``groups``: its KV cache groups), with the named connector on its scheduler side, and the scheduler and hash
     block sizes vLLM's engine gives it. ``log_stats`` keeps vLLM's own prefix-cache statistics."""
@@ -98,7 +102,8 @@ def make_scheduler(model: Path, num_blocks: int, connector: str | None, module: 
                                                 max_num_batched_tokens=max_num_batched_tokens,
                                                 num_spec_tokens=num_spec_tokens, world_size=world_size,
                                                 groups=groups, checkpoint_alignment=checkpoint_alignment,
-                                                retention_interval=retention_interval)
+                                                retention_interval=retention_interval,
+                                                kv_load_failure_policy=kv_load_failure_policy)
     scheduler_class = AsyncScheduler if async_scheduling else Scheduler
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     return scheduler_class(vllm_config=vllm_config, kv_cache_config=kv_cache_config,

@@ -9,7 +9,8 @@ that keeps requests alive, and the one our connector asks for) vLLM rewinds the 
 drops the token the step sampled from wrong KV, and leaves the invalid blocks in the prefix cache to be recomputed.
 Until they are, a request that shares the prefix reads them: here, the request that failed is aborted, and the next
 one with its prompt hits the invalid blocks. An asynchronous load's blocks enter the prefix cache only once it
-lands, and a failed one is never cached; under ``"fail"`` vLLM evicts them.
+lands, and a failed one is never cached. Under ``"fail"`` (vLLM's default) the request fails, and vLLM evicts the
+invalid blocks and those after them.
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
 from kvoffload.impl.testing.harness import BLOCK_SIZE, make_scheduler  # noqa: E402
 
 HIT_BLOCKS = 3  # blocks every first lookup of a prompt finds in the (pretend) tier
+PROMPT = list(range(1, 5 * BLOCK_SIZE + 2))  # five full blocks and two tokens
 
 
 class SyncHits(KVConnectorBase_V1):
     """A scheduler side that finds ``HIT_BLOCKS`` blocks of every prompt the first time it is asked, to be loaded
     synchronously (``load_kv_async`` False), and nothing after; it needs no worker here."""
 
-    asked: set[str] = set()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: set[str] = set()
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         if request.request_id in self.asked or num_computed_tokens:
@@ -69,18 +73,14 @@ def output(so, invalid: set[int]) -> ModelRunnerOutput:
                              kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid))
 
 
-def test_a_failed_sync_load_leaves_its_invalid_blocks_in_the_prefix_cache_under_recompute(model):
+def first_load_fails(model, policy: str):
+    """A scheduler under ``policy``; a request whose synchronous load of ``HIT_BLOCKS`` blocks leaves its second
+    block invalid; then it is aborted. The scheduler, the request, its blocks, and the step's output as delivered."""
     init_none_hash(sha256)
-    scheduler = make_scheduler(model, 64, "SyncHits", __name__, {})
-    assert scheduler.recompute_kv_load_failures  # kv_load_failure_policy="recompute", as our connector asks
-    hasher, prompt = get_request_block_hasher(BLOCK_SIZE, sha256), list(range(1, 5 * BLOCK_SIZE + 2))
-
-    def add(req_id: str) -> Request:
-        request = Request(req_id, prompt, SamplingParams(max_tokens=4), None, block_hasher=hasher)
-        scheduler.add_request(request)
-        return request
-
-    first = add("first")
+    scheduler = make_scheduler(model, 64, "SyncHits", __name__, {}, kv_load_failure_policy=policy)
+    request = Request("first", PROMPT, SamplingParams(max_tokens=4), None,
+                      block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    scheduler.add_request(request)
     so = scheduler.schedule()
     # scheduled at once, computed from the end of the hit, and the step is one with a synchronous load
     assert so.has_sync_kv_loads and [r.req_id for r in so.scheduled_new_reqs] == ["first"]
@@ -88,14 +88,34 @@ def test_a_failed_sync_load_leaves_its_invalid_blocks_in_the_prefix_cache_under_
     (blocks,) = scheduler.kv_cache_manager.get_block_ids("first")
     pool = scheduler.kv_cache_manager.block_pool
     assert all(pool.blocks[b].block_hash is not None for b in blocks[:5])  # cached as scheduled, loaded ones too
+    delivered = scheduler.update_from_output(so, output(so, invalid={blocks[1]}))
+    return scheduler, request, blocks, delivered
 
-    scheduler.update_from_output(so, output(so, invalid={blocks[1]}))  # the load left its second block invalid
-    assert first.num_computed_tokens == BLOCK_SIZE and not list(first.output_token_ids)  # rewound, its token dropped
-    assert pool.blocks[blocks[1]].block_hash is not None  # left in the prefix cache, to be recomputed
 
-    scheduler.finish_requests("first", RequestStatus.FINISHED_ABORTED)  # before it recomputes them
-    add("second")
+def second_request(scheduler):
+    """The same prompt again, once the first is gone: what it is scheduled with."""
+    scheduler.finish_requests("first", RequestStatus.FINISHED_ABORTED)
+    scheduler.add_request(Request("second", PROMPT, SamplingParams(max_tokens=4), None,
+                                  block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256)))
     so = scheduler.schedule()
-    (hit,) = so.scheduled_new_reqs
-    assert not so.has_sync_kv_loads and hit.num_computed_tokens == 5 * BLOCK_SIZE
+    (scheduled,) = so.scheduled_new_reqs
+    return scheduled
+
+
+def test_a_failed_sync_load_leaves_its_invalid_blocks_in_the_prefix_cache_under_recompute(model):
+    scheduler, first, blocks, _ = first_load_fails(model, "recompute")
+    assert first.num_computed_tokens == BLOCK_SIZE and not list(first.output_token_ids)  # rewound, its token dropped
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.blocks[blocks[1]].block_hash is not None  # left in the prefix cache, to be recomputed
+    hit = second_request(scheduler)  # the first is aborted before it recomputes them
+    assert hit.num_computed_tokens == 5 * BLOCK_SIZE
     assert blocks[1] in hit.block_ids[0]  # the second request reads the block the failed load left invalid
+
+
+def test_under_the_fail_policy_the_request_fails_and_its_invalid_blocks_leave_the_prefix_cache(model):
+    scheduler, first, blocks, delivered = first_load_fails(model, "fail")
+    assert first.status == RequestStatus.FINISHED_ERROR
+    assert [o.request_id for out in delivered.values() for o in out.outputs] == ["first"]  # the client hears of it
+    pool = scheduler.kv_cache_manager.block_pool
+    assert all(pool.blocks[b].block_hash is None for b in blocks[1:5])  # the invalid block and those after it
+    assert second_request(scheduler).num_computed_tokens == BLOCK_SIZE  # a hit of the valid block only
