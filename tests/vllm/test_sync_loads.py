@@ -74,8 +74,8 @@ def output(so, invalid: set[int]) -> ModelRunnerOutput:
 
 
 def first_load_fails(model, policy: str):
-    """A scheduler under ``policy``; a request whose synchronous load of ``HIT_BLOCKS`` blocks leaves its second
-    block invalid; then it is aborted. The scheduler, the request, its blocks, and the step's output as delivered."""
+    """A scheduler under ``policy``, and a request whose synchronous load of ``HIT_BLOCKS`` blocks leaves its second
+    block invalid: the scheduler, the request, its blocks, and the step's output as delivered."""
     init_none_hash(sha256)
     scheduler = make_scheduler(model, 64, "SyncHits", __name__, {}, kv_load_failure_policy=policy)
     request = Request("first", PROMPT, SamplingParams(max_tokens=4), None,
