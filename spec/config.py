@@ -89,6 +89,10 @@ class Config:
     store_threshold: int = 1
     offers_remembered: int = 65536
     store_prompts_only: bool = False
+    # What the engine does with a request whose load failed (vLLM's ``kv_load_failure_policy``): "recompute" rewinds
+    # it to the first block it could not load and computes the rest; "fail", vLLM's default, ends it with an error
+    # (FINISHED_ERROR: the client hears of it). A connector must be correct under both.
+    load_failure_policy: str = "recompute"
 
     def __attrs_post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "offload_block_size", "tier_blocks", "token_budget",
@@ -117,6 +121,8 @@ class Config:
             _require_positive("checkpoint_alignment", self.checkpoint_alignment)
             if not any(g.state for g in self.groups):
                 raise ConfigError("checkpoint_alignment is for a model with recurrent state: add a state group")
+        if self.load_failure_policy not in ("recompute", "fail"):
+            raise ConfigError(f"unknown load_failure_policy {self.load_failure_policy!r}; known: 'recompute', 'fail'")
         if self.policy not in ("lru", "arc"):
             raise ConfigError(f"unknown eviction policy {self.policy!r}; known: 'lru', 'arc'")
 

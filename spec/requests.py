@@ -48,6 +48,7 @@ class State(Enum):
     PREEMPTED = "preempted"
     FINISHED = "finished"
     ABORTED = "aborted"
+    FAILED = "failed"  # its load failed under the "fail" policy (vLLM's FINISHED_ERROR)
 
 
 @define(eq=False)

@@ -28,6 +28,8 @@ The engine modes vLLM runs on GPUs are modelled too, because each one changes wh
     rolls computed tokens back; a rejected draft's KV is rewritten and never has a hash. Drafts follow a step that
     sampled, as many as configured (tokens sampled past max_tokens are dropped);
   * weight updates: the tier must forget everything, since KV computed before the update is wrong after it;
+  * vLLM's load failure policy (``Config.load_failure_policy``): "recompute" rewinds a request whose load failed
+    to its first invalid block; "fail", vLLM's default, ends it with an error as the output that says so arrives;
   * hybrid models: several KV cache groups (``Config.groups``: full attention, sliding windows, recurrent state), a
     block table each, with blocks of its own size; a sliding window's old blocks are freed while the request runs,
     and a prefix hit counts only as far as every group can supply it (``groups.py``);
@@ -134,7 +136,7 @@ class World:
     stats: dict[str, int] = field(factory=lambda: dict.fromkeys(
         ("steps", "requests", "finished", "preemptions", "engine_hit_blocks", "tier_hit_tokens", "blocks_loaded",
          "blocks_stored", "failed_transfers", "drafts", "rejected_drafts", "weight_updates", "window_freed_blocks",
-         "checkpoints", "checks"), 0))
+         "checkpoints", "checks", "failed_requests"), 0))
 
     @pool.default
     def _pool(self) -> BlockPool:
@@ -722,12 +724,25 @@ class World:
     def _deliver(self, output: StepOutput) -> None:
         for req, n in output.scheduled:
             req.num_in_flight_tokens -= n
+        if self.config.load_failure_policy == "fail":
+            self._fail_loads(output.workers.failed_recving, output.load_errors)
         self.connector.update_connector_output(output.workers)
         self._count_reports(output.workers.job_results)
         self._apply_worker_output(output.workers, output.load_errors)
         for req, sampled, rejected in output.samples:
             if self.requests.get(req.req_id) is req:  # not finished or aborted meanwhile
                 self._apply_sample(req, sampled, rejected)
+
+    def _fail_loads(self, failed: frozenset[str], load_errors: set[int]) -> None:
+        """The "fail" policy: a request whose load failed, as a whole (``failed_recving``) or in a block it loads
+        into (invalid blocks), ends with an error as the output that says so arrives, before the transfers that
+        output reports are applied (vLLM's ``update_from_output``: ``_handle_failed_recving`` and
+        ``_handle_invalid_blocks`` first, ``_update_from_kv_xfer_finished`` last). Its blocks stay held until its
+        load has finished on every worker."""
+        for req in [r for r in self.waiting if r.loading() and (r.req_id in failed or load_errors & set(r.blocks))]:
+            self.waiting.remove(req)
+            self._finish(req, State.FAILED)
+            self.stats["failed_requests"] += 1
 
     def _count_reports(self, results: tuple[tuple[int, bool], ...]) -> None:
         for job_id, success in results:
@@ -746,7 +761,9 @@ class World:
                     self.needed_until[job.req_id] = self.step_no  # its free is not needed any more
 
     def _apply_worker_output(self, output: WorkerOutput, load_errors: set[int]) -> None:
-        self.bad_blocks |= load_errors  # another worker may finish this load later
+        # a loading request's invalid blocks (another worker may finish its load later); vLLM reads the others in
+        # no request's table, and so does the world
+        self.bad_blocks |= load_errors & {b for r in self.waiting if r.loading() for b in r.blocks}
         for req_id in sorted(output.finished_sending):  # sorted: set order must not steer block reuse
             self._unhold(req_id, "sending")
         for req_id in sorted(output.finished_recving):
@@ -832,6 +849,8 @@ class World:
 
     def _finish(self, req: Request, state: State) -> None:
         loading = req.loading()  # the engine itself holds its blocks until the load lands
+        if loading:  # a block it was loading into may be another request's next: its invalid marks go with it
+            self.bad_blocks -= set(req.blocks)
         req.state = state
         del self.requests[req.req_id]
         self.finished_since_step.add(req.req_id)  # if preempted since the last step, it is reported as both

@@ -57,7 +57,8 @@ class Scenario:
         modes = "".join((" async" if c.async_scheduling else "", f" spec={c.num_spec_tokens}" * bool(c.num_spec_tokens),
                          f" workers={c.num_workers}" * (c.num_workers > 1), " broken-loads" * self.broken_loads,
                          f" groups={groups}" * (c.groups != FULL_ATTENTION), " file-faults" * self.file_faults,
-                         " weight-versions" * self.weight_versions))
+                         " weight-versions" * self.weight_versions,
+                         " fail-policy" * (c.load_failure_policy == "fail")))
         if self.engines > 1 or self.store:
             models = f" models={','.join(map(str, self.identities))}" if any(self.identities) else ""
             delay = f"/delay={self.store_delay}" if self.store_delay else ""

@@ -22,11 +22,13 @@ SCENARIOS = {
         delay=1),
 }
 
-# The modes vLLM runs on GPUs: async scheduling, speculative decoding, tensor-parallel workers, and a persistent
-# load fault (liveness); weight updates (reset_prefix_cache(reset_connector=True)) run in every scenario.
+# The modes vLLM runs on GPUs: async scheduling, speculative decoding, tensor-parallel workers, vLLM's default load
+# failure policy ("fail"), and a persistent load fault (liveness); weight updates
+# (reset_prefix_cache(reset_connector=True)) run in every scenario.
 GPU_MODE_SCENARIOS = {
-    "k1-async-delayed-failures-no-prefix-cache": Scenario(
-        Config(num_gpu_blocks=14, tier_blocks=8, async_scheduling=True, prefix_caching=False), delay=2, failures=True),
+    "k1-async-delayed-failures-fail-policy-no-prefix-cache": Scenario(  # a failed load ends its request
+        Config(num_gpu_blocks=14, tier_blocks=8, async_scheduling=True, prefix_caching=False,
+               load_failure_policy="fail"), delay=2, failures=True),
     "k2-spec3-immediate-no-prefix-cache": Scenario(
         Config(num_gpu_blocks=16, offload_block_size=4, tier_blocks=6, num_spec_tokens=3, prefix_caching=False)),
     "k1-async-spec2-delayed-failures": Scenario(
@@ -59,6 +61,9 @@ ARC_SCENARIOS = {
 HYBRID_SCENARIOS = {
     "hybrid-w4-only-delayed-failures": Scenario(
         Config(num_gpu_blocks=16, tier_blocks=6, groups=(Group(4),)), delay=1, failures=True),
+    "hybrid-k2-w5-full-delayed-failures-fail-policy": Scenario(  # a failed load ends its request
+        Config(num_gpu_blocks=24, offload_block_size=4, tier_blocks=6, groups=(Group(5), Group()),
+               prefix_caching=False, load_failure_policy="fail"), delay=2, failures=True),
     "hybrid-w4-full-immediate": Scenario(Config(num_gpu_blocks=24, tier_blocks=8, groups=(Group(4), Group()))),
     "hybrid-full-w6-w3-no-prefix-cache": Scenario(
         Config(num_gpu_blocks=30, tier_blocks=8, groups=(Group(), Group(6), Group(3)), prefix_caching=False)),

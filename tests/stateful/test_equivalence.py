@@ -24,9 +24,14 @@ LAYOUTS = [  # cycled over the scenarios so every layout and several dtypes meet
 ]
 
 
+def failed_as_the_policy_says(scenario, coverage) -> None:
+    """Requests end with an error only under the "fail" policy, and there, some did: their load failed."""
+    assert bool(coverage.world["failed_requests"]) == (scenario.config.load_failure_policy == "fail")
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_spec_keeps_its_invariants(name):
-    run_conformance(SpecConnector, ALL[name], level="invariants")
+    failed_as_the_policy_says(ALL[name], run_conformance(SpecConnector, ALL[name], level="invariants"))
 
 
 @pytest.mark.parametrize("name", [*SCENARIOS, *GPU_MODE_SCENARIOS])
@@ -50,6 +55,7 @@ def test_spec_keeps_its_invariants_in_hybrid_models(name):
     windowed = any(group.reach is not None for group in scenario.config.groups)
     assert bool(coverage.world["window_freed_blocks"]) == windowed
     assert bool(coverage.world["checkpoints"]) == (scenario.config.checkpoint_alignment is not None)
+    failed_as_the_policy_says(scenario, coverage)
 
 
 @pytest.mark.parametrize("name", HYBRID_SCENARIOS)

@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
@@ -27,10 +28,12 @@ class Driver:
     """One engine: the real scheduler, our worker side, and an environment that decides transfer timing."""
 
     def __init__(self, model: Path, seed: int, num_blocks: int = 48, tier_bytes: int = 96 << 10,
-                 delay: int = 2, failures: bool = True) -> None:
+                 delay: int = 2, failures: bool = True,
+                 kv_load_failure_policy: Literal["recompute", "fail"] = "recompute") -> None:
         self.rnd, self.failures = random.Random(seed), failures
         self.scheduler = make_scheduler(model, num_blocks, "KVOffloadConnector", "kvoffload.impl.vllm_connector",
-                                        {"tier_bytes": tier_bytes, "verify": True})
+                                        {"tier_bytes": tier_bytes, "verify": True},
+                                        kv_load_failure_policy=kv_load_failure_policy)
         self.connector = self.scheduler.connector
         self.worker = OffloadConnector(self.connector.config)
         self.executor = Executor(delay=delay)
@@ -40,6 +43,7 @@ class Driver:
         self.systems = [[self.rnd.randrange(512) for _ in range(BLOCK_SIZE * self.rnd.randrange(2, 6))]
                         for _ in range(3)]
         self.next_id = self.steps = 0
+        self.failed_requests = 0  # ended with an error: their load failed under the "fail" policy
 
     def add_request(self) -> None:
         prompt = self.rnd.choice(self.systems) + [self.rnd.randrange(512) for _ in range(self.rnd.randrange(1, 20))]
@@ -66,7 +70,9 @@ class Driver:
                                       finished_recving=set(done.finished_recving) or None,
                                       kv_connector_worker_meta=KVOffloadWorkerMetadata(done.job_results),
                                       invalid_block_ids=self.worker.get_block_ids_with_load_errors())
-        self.scheduler.update_from_output(so, self.model_output(so, kv_output))
+        delivered = self.scheduler.update_from_output(so, self.model_output(so, kv_output))
+        self.failed_requests += sum(o.finish_reason == FinishReason.ERROR for out in delivered.values()
+                                    for o in out.outputs)
         self.steps += 1
 
     def model_output(self, so: Any, kv_output: KVConnectorOutput) -> ModelRunnerOutput:

@@ -39,8 +39,10 @@ def run(release: str, *args: str, cwd: Path = ROOT, timeout: int = 1800) -> subp
 
 
 @pytest.mark.parametrize("suite", [
-    # vLLM's own OffloadingConnector in black-box mode (ours is checked behind 0.33's real schedulers, below)
-    ["tests/vllm/test_blackbox.py", "-k", "not ours and not our_vllm_connector"],
+    # vLLM's own OffloadingConnector in black-box mode (ours is checked behind 0.33's real schedulers, below; the
+    # kit's own catches of bugs planted in ours and in the reader, on 0.32)
+    ["tests/vllm/test_blackbox.py", "-k",
+     "not ours and not our_vllm_connector and not seed_bug and not forgets_a_flush"],
     ["tests/vllm/test_blackbox_tiering.py"],  # vLLM's tiering with its fs tier, in black-box mode
     ["tests/vllm/test_blackbox_simple_cpu.py"],  # vLLM's SimpleCPUOffloadConnector, eager and lazy
     # ours behind 0.33's real schedulers, the world's call order against 0.33's model runners, what a failed

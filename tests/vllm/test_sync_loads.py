@@ -119,3 +119,77 @@ def test_under_the_fail_policy_the_request_fails_and_its_invalid_blocks_leave_th
     pool = scheduler.kv_cache_manager.block_pool
     assert all(pool.blocks[b].block_hash is None for b in blocks[1:5])  # the invalid block and those after it
     assert second_request(scheduler).num_computed_tokens == BLOCK_SIZE  # a hit of the valid block only
+
+
+class AsyncHits(SyncHits):
+    """The same hits, loaded asynchronously (``load_kv_async`` True)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)[0], True
+
+
+def async_load_fails(model, policy: str):
+    """A request whose asynchronous load of ``HIT_BLOCKS`` blocks leaves its second block invalid, reported in the
+    output before the one that says its load finished: the scheduler, the request, and how many blocks were free
+    before it came, after each of those two outputs."""
+    init_none_hash(sha256)
+    scheduler = make_scheduler(model, 64, "AsyncHits", __name__, {}, kv_load_failure_policy=policy)
+    pool = scheduler.kv_cache_manager.block_pool
+    free = [pool.get_num_free_blocks()]
+    request = Request("first", PROMPT, SamplingParams(max_tokens=4), None,
+                      block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    scheduler.add_request(request)
+    so = scheduler.schedule()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not so.has_sync_kv_loads
+    (blocks,) = scheduler.kv_cache_manager.get_block_ids("first")
+    scheduler.update_from_output(so, output(so, invalid={blocks[1]}))
+    free.append(pool.get_num_free_blocks())
+    so = scheduler.schedule()
+    done = output(so, invalid=set())
+    done.kv_connector_output.finished_recving = {"first"}
+    scheduler.update_from_output(so, done)
+    return scheduler, request, free + [pool.get_num_free_blocks()]
+
+
+def test_under_the_fail_policy_an_async_load_that_fails_ends_its_request_with_an_error(model):
+    """What the world's ``_fail_loads`` does: the output that names an invalid block ends the request loading into it
+    with an error (FINISHED_ERROR), and its blocks stay held until its load finishes."""
+    _, request, free = async_load_fails(model, "fail")
+    assert request.status == RequestStatus.FINISHED_ERROR
+    before, failed, finished = free
+    assert failed < before and finished == before  # held while its load is in flight, then freed
+
+
+def test_under_recompute_an_async_load_that_fails_resumes_from_its_first_invalid_block(model):
+    scheduler, request, _ = async_load_fails(model, "recompute")
+    assert request.num_computed_tokens == BLOCK_SIZE  # rewound as the invalid block was named
+    (resumed,) = scheduler.schedule().scheduled_new_reqs  # once its load finished: computed from there
+    assert resumed.num_computed_tokens == BLOCK_SIZE and request.status == RequestStatus.RUNNING
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_the_world_does_the_same_with_a_load_that_fails(policy):
+    """The same story in the world: a prompt stored to the tier, the prefix cache reset, the prompt again; its load
+    fails on one of two workers and finishes on the other a step later."""
+    from kvoffload.spec import Config, ListKV, SpecConnector, World
+    from kvoffload.spec.executor import Executor
+    from kvoffload.spec.requests import State
+
+    config = Config(num_gpu_blocks=16, tier_blocks=8, token_budget=16, num_workers=2, load_failure_policy=policy)
+    world = World(config, SpecConnector(config), ListKV(16), Executor(0))
+    world.add_worker(SpecConnector(config), ListKV(16))
+    prompt = list(range(11))  # five full blocks of 2 tokens and one token
+    world.add_request(prompt, max_tokens=1)
+    world.run_to_completion()
+    world.reset_prefix_cache()
+    world.executors[0].fail_next = True
+    world.executors[1].delay = 1
+    request = world.add_request(prompt, max_tokens=1)
+    world.step()  # admitted with its hit; worker 0's load fails, worker 1's is held back
+    assert request.state is (State.FAILED if policy == "fail" else State.WAITING_FOR_LOAD)
+    held = set(request.blocks)
+    assert held and not held & set(world.pool.free)  # held while worker 1 still loads into them
+    world.executors[1].drain()
+    world.run_to_completion()
+    assert world.stats["failed_requests"] == (policy == "fail")
+    assert request.state is (State.FAILED if policy == "fail" else State.FINISHED)

@@ -85,7 +85,7 @@ class Release(Protocol):
     def request(self, req_id: str, prompt: list[int], max_tokens: int, block_size: int) -> Any:
         """A vLLM request whose ``block_hashes`` follow its tokens, as the engine hashes them."""
     def set_status(self, vreq: Any, status: str) -> None:
-        """"running", "preempted", "aborted" or "stopped" (a preempted request's progress is reset too)."""
+        """"running", "preempted", "aborted", "stopped" or "error" (a preempted request's progress is reset too)."""
     def blocks(self, vreq: Any, tables: list[list[int]], cached: list[list[Any]]) -> Any:
         """The ``KVCacheBlocks`` handed to ``update_state_after_alloc``, a table per KV cache group (the null
         block is 0): the first blocks of each carry their hash, ``cached[group]`` (the GPU prefix hit)."""
@@ -340,7 +340,7 @@ class BlackBox:
 
     def request_finished(self, request: Request, block_ids: BlockIds) -> bool:
         vreq = self._vllm(request)
-        self.vllm.set_status(vreq, "aborted" if request.state is State.ABORTED else "stopped")
+        self.vllm.set_status(vreq, {State.ABORTED: "aborted", State.FAILED: "error"}.get(request.state, "stopped"))
         delay = self.vllm.request_finished(self.connector, vreq, self._vllm_tables(block_ids))
         if delay:
             self.draining.add(request.req_id)

@@ -27,7 +27,8 @@ from kvoffload.spec import Config, ConfigError, SchedulerOutput, require
 from . import NULL_BLOCKS, BlackBox, Transfer, simple_cpu, tiering
 
 STATUS = {"running": RequestStatus.RUNNING, "preempted": RequestStatus.PREEMPTED,
-          "aborted": RequestStatus.FINISHED_ABORTED, "stopped": RequestStatus.FINISHED_STOPPED}
+          "aborted": RequestStatus.FINISHED_ABORTED, "stopped": RequestStatus.FINISHED_STOPPED,
+          "error": RequestStatus.FINISHED_ERROR}
 
 
 class OffloadingTransfers:
