@@ -61,6 +61,7 @@ class Transfer:
     reports: int = 0  # workers that reported it
     success: bool = True  # every report so far was a success
     weights: str = ""  # a put's or a get's: the weights of the namespace its records belong to
+    sync: bool = False  # a load the worker waits for before the forward pass (``Config.sync_loads``)
 
     @property
     def gpu_blocks(self) -> list[int]:
@@ -90,8 +91,9 @@ class OffloadScheduler:
         self._leaving: set[int] = set()  # keys that left the tier: their origins go once no unread event names them
         self._job_ids = itertools.count()
         self.counters = dict.fromkeys(("lookups", "hit_tokens", "stored_blocks", "loaded_blocks",
-                                       "failed_stores", "failed_loads", "shared_lookups", "shared_deadline_misses",
-                                       "shared_got_blocks", "shared_failed_gets", "shared_put_blocks"), 0)
+                                       "sync_loaded_blocks", "failed_stores", "failed_loads", "shared_lookups",
+                                       "shared_deadline_misses", "shared_got_blocks", "shared_failed_gets",
+                                       "shared_put_blocks"), 0)
         self.shared: SharedStore | None = None  # the shared store, once attached (for existence checks)
         self.identified = False  # attached since the last reset: the store's namespace is the engine's identity now
         self._pending_gets: list[Transfer] = []
@@ -115,7 +117,7 @@ class OffloadScheduler:
         if self.identified and not self._store_settled(cast(SharedStore, self.shared), state, num_computed_tokens):
             return None, False  # ask again: the store has not answered, or its records are on their way
         end = self._hit_end(request, num_computed_tokens, self.tier.is_ready)
-        return (end - num_computed_tokens, True) if end > num_computed_tokens else (0, False)
+        return (end - num_computed_tokens, not self.config.sync_loads) if end > num_computed_tokens else (0, False)
 
     def _hit_end(self, request: RequestView, computed: int, ready: Callable[[Key], bool]) -> int:
         """Where the longest hit from ``computed`` ends, its offload blocks all ``ready``."""
@@ -273,7 +275,9 @@ class OffloadScheduler:
             load_keys = list(dict.fromkeys(key for _block, key, _sub in copies))
             slot_of = dict(zip(load_keys, self.tier.prepare_load(load_keys)))
             host_rows = [slot_of[key] * k + sub for _block, key, sub in copies]
-            self._pending_loads.append(self._new_transfer(state, "load", load_keys, copies, host_rows))
+            load = self._new_transfer(state, "load", load_keys, copies, host_rows)
+            load.sync = self.config.sync_loads
+            self._pending_loads.append(load)
 
     def _new_transfer(self, state: RequestState | None, kind: TransferKind, keys: list[int], copies: list[Copy],
                       host_rows: list[int]) -> Transfer:
@@ -450,6 +454,7 @@ class OffloadScheduler:
             else:
                 self.tier.complete_load(transfer.keys, success)
                 self.counters["loaded_blocks" if success else "failed_loads"] += len(transfer.copies)
+                self.counters["sync_loaded_blocks"] += len(transfer.copies) if success and transfer.sync else 0
 
     def _got(self, get: Transfer, success: bool) -> None:
         """A get ended: its records are tier entries now, or none is; the lookup it served is settled, or asks the
@@ -480,8 +485,11 @@ class OffloadScheduler:
         state.store_lookup = None  # a get in flight for it settles nothing now
         self.refusing.discard(request.req_id)
         if state.unfinished_stores:  # they still read its blocks, which the engine frees now: flushed before reuse
-            self._flush_next |= {t.job_id for t in self.unfinished.values()
-                                 if t.req_id == request.req_id and t.kind == "store"}
+            stores = [t for t in self.unfinished.values() if t.req_id == request.req_id and t.kind == "store"]
+            self._flush_next |= {t.job_id for t in stores}
+            if request.failed:  # it may have computed from a block a synchronous load failed to fill: garbage
+                for store in stores:
+                    store.success = False  # completes as failed: no entry
         return False
 
     def reset_cache(self) -> bool:

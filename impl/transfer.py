@@ -230,6 +230,8 @@ class InlineExecutor:
     def flush(self, job_ids: set[int]) -> None:
         pass  # everything already ran
 
+    wait = flush  # a synchronous load: ran at submit, reported at the next poll
+
     def poll(self) -> list[tuple[int, bool]]:
         done, self.done = self.done, []
         return done
@@ -264,6 +266,8 @@ class CudaStreamExecutor:
         for job, _start, end, _success in self.in_flight:
             if job.job_id in job_ids:
                 end.synchronize()
+
+    wait = flush  # a synchronous load: done before the forward pass is launched, reported at the next poll
 
     def poll(self) -> list[tuple[int, bool]]:
         done, pending = [], []

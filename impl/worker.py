@@ -54,6 +54,9 @@ class OffloadWorker:
             self._submit(load)
         for get in metadata.gets:
             self._submit_record_copy(get)
+        sync = {load.job_id for load in metadata.loads if load.sync}
+        if sync:  # the forward pass reads them
+            self.executor.wait(sync)
 
     def wait_for_save(self, metadata: TransferPlan) -> None:
         for store in metadata.stores:
@@ -88,7 +91,8 @@ class OffloadWorker:
                     self.bytes[transfer.kind] += len(transfer.copies) * self.copier.pool.row_bytes
                 continue
             if transfer.kind == "load":
-                recving.add(transfer.req_id)
+                if not transfer.sync:  # a synchronous load's request is running: vLLM asserts it is not named
+                    recving.add(transfer.req_id)
                 if not success and self.config.hybrid:  # vLLM takes no block ids then: the whole request
                     failed_recving.add(transfer.req_id)
                 elif not success:

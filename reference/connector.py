@@ -36,6 +36,7 @@ class Transfer:
     copies: tuple[Copy, ...]  # (GPU block, key, index in the offload block); NULL_BLOCK for a put or a get
     host_rows: tuple[int, ...]  # host buffer row of each copy
     weights: str = ""  # a put's or a get's: the weights of the namespace its records belong to
+    sync: bool = False  # a load the worker waits for before the forward pass
 
     @property
     def keys(self) -> list[int]:
@@ -94,6 +95,7 @@ class ReferenceConnector:
         self._reports: defaultdict[int, list[bool]] = defaultdict(list)  # job id -> each worker's success so far
         self._pending_loads: list[Transfer] = []  # for the next plan
         self._flush_next: set[int] = set()  # stores reading blocks freed at a finish, for the next plan
+        self._poisoned: set[int] = set()  # stores of requests that ended with an error: they make no entry
         self.refusing: set[str] = set()  # fault injection: the tier refuses these requests' next store
         self._job_ids = itertools.count()
         # the shared store, once attached: this engine's (this shard's) namespace, and how to open one
@@ -133,7 +135,7 @@ class ReferenceConnector:
         if self._identified and not self._store_part_done(request, num_computed_tokens):
             return None, False  # ask again
         end = self._longest_hit(request, num_computed_tokens, self._in_tier)
-        return (end - num_computed_tokens, True) if end else (0, False)
+        return (end - num_computed_tokens, not self.config.sync_loads) if end else (0, False)
 
     def _in_tier(self, key: int) -> bool:
         return self.tier.lookup([key]) == 1
@@ -234,7 +236,9 @@ class ReferenceConnector:
         load_keys = list(dict.fromkeys(key for _block, key, _sub in copies))
         slots = dict(zip(load_keys, self.tier.prepare_load(load_keys)))
         rows = [slots[key] * k + sub for _block, key, sub in copies]
-        self._pending_loads.append(self._new_transfer(req_id, "load", copies, rows))
+        load = self._new_transfer(req_id, "load", copies, rows)
+        load.sync = self.config.sync_loads
+        self._pending_loads.append(load)
 
     def _new_transfer(self, req_id: str, kind: TransferKind, copies: list[Copy], rows: list[int]) -> Transfer:
         weights = self._namespace.weights if self._namespace else ""
@@ -362,6 +366,8 @@ class ReferenceConnector:
             if len(self._reports[job_id]) < self.config.num_workers:
                 continue  # every worker copies its own shard of the blocks
             transfer, success = self._unfinished.pop(job_id), all(self._reports.pop(job_id))
+            success = success and job_id not in self._poisoned
+            self._poisoned.discard(job_id)
             if transfer.kind == "store":
                 self.tier.complete_store(transfer.keys, success)
                 if self._identified and success:
@@ -391,7 +397,10 @@ class ReferenceConnector:
         self._block_tables.pop(req_id, None)
         self._cursors.pop(req_id, None)
         self.refusing.discard(req_id)
-        self._flush_next |= self._stores_of(frozenset({req_id}))  # the engine frees its blocks now
+        stores = self._stores_of(frozenset({req_id}))
+        self._flush_next |= stores  # the engine frees its blocks now
+        if request.failed:  # it may have computed from a block a synchronous load failed to fill: garbage
+            self._poisoned |= stores
         return False
 
     def reset_cache(self) -> bool:
@@ -442,6 +451,7 @@ class ReferenceConnector:
     def start_load_kv(self, metadata: TransferPlan) -> None:
         for transfer in metadata.loads + metadata.gets:
             self._submit(transfer)
+        self.executor.wait({load.job_id for load in metadata.loads if load.sync})  # the forward pass reads them
 
     def wait_for_save(self, metadata: TransferPlan) -> None:
         for transfer in metadata.stores + metadata.puts:
@@ -492,7 +502,8 @@ class ReferenceConnector:
         for job_id, success in results:
             transfer = self._submitted.pop(job_id)
             if transfer.kind == "load":
-                recving.add(transfer.req_id)
+                if not transfer.sync:  # a synchronous load's request is running: vLLM asserts it is not named
+                    recving.add(transfer.req_id)
                 if success:
                     continue
                 if self.config.hybrid:  # with several groups, a failed load is reported by its request

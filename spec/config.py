@@ -93,6 +93,10 @@ class Config:
     # it to the first block it could not load and computes the rest; "fail", vLLM's default, ends it with an error
     # (FINISHED_ERROR: the client hears of it). A connector must be correct under both.
     load_failure_policy: str = "recompute"
+    # Hits load synchronously: in the step that computes the rest of the prompt, before its forward pass, which
+    # saves the step an asynchronous load waits (vLLM's ``has_sync_kv_loads``). Only under the "fail" policy, without
+    # async scheduling, with one KV cache group of attention (spec/invariants.py, LOOKUP, says why).
+    sync_loads: bool = False
 
     def __attrs_post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "offload_block_size", "tier_blocks", "token_budget",
@@ -123,6 +127,12 @@ class Config:
                 raise ConfigError("checkpoint_alignment is for a model with recurrent state: add a state group")
         if self.load_failure_policy not in ("recompute", "fail"):
             raise ConfigError(f"unknown load_failure_policy {self.load_failure_policy!r}; known: 'recompute', 'fail'")
+        if self.sync_loads and (self.load_failure_policy != "fail" or self.async_scheduling or len(self.groups) > 1
+                                or self.groups[0].state):
+            raise ConfigError("sync_loads needs load_failure_policy 'fail', no async scheduling and one KV cache group "
+                              "of attention: vLLM leaves a failed synchronous load's blocks in its prefix cache under "
+                              "'recompute' or when its request ends before the step's output arrives, and cannot be "
+                              "told which blocks failed in a model of several groups")
         if self.policy not in ("lru", "arc"):
             raise ConfigError(f"unknown eviction policy {self.policy!r}; known: 'lru', 'arc'")
 

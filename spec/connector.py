@@ -3,7 +3,8 @@
 Scheduler side
   * lookup: count ready tier entries from the first offload block not already on the GPU, leaving at least one
     token to compute; no hit for a request that still has transfers in flight.
-  * after alloc: remember the block table; a hit becomes one load transfer (pins its entries).
+  * after alloc: remember the block table; a hit becomes one load transfer (pins its entries). With
+    ``Config.sync_loads`` every hit loads synchronously: its request computes the rest in the same step.
   * each batch: update every request's block table first (new / resumed: replace; running: append the step's
     new ids), then offer the offload blocks that are full after this step *and hashed* (the timing rule of
     ``RequestView``; the key rule is ``key_index``), from the request's store cursor on. A refused store skips
@@ -15,7 +16,8 @@ Scheduler side
     flight in the next plan's ``flush``, so that they finish before the forward pass that may write its blocks for
     another request. The engine frees the blocks at once: a reset right after the last request finished is granted,
     and the blocks serve the next requests a step earlier. (A load in flight keeps its blocks anyway: the engine
-    waits for finished_recving.)
+    waits for finished_recving.) A request that ended with an error (a synchronous load it read from failed: its
+    own, or another request's hit in the engine's prefix cache) computed garbage: its stores in flight make no entry.
   * a transfer is complete once every worker reported it (tensor parallelism: each holds a shard of every block);
     it succeeded only if every worker's part did. A failed load makes its entries stale (never offered again).
   * reset_cache (a weight update): every entry goes stale; stores in flight never become loadable.
@@ -44,7 +46,9 @@ Worker side
     preempted and finished requests, and the stores reading blocks a window freed, before the pass may write those
     blocks;
   * loads (and gets) are submitted in start_load_kv, stores (and puts) in wait_for_save (both after the forward
-    pass wrote the blocks); a get lands all of its records, each checked by the store, or none;
+    pass wrote the blocks); a get lands all of its records, each checked by the store, or none; a synchronous load
+    is waited for in start_load_kv (the engine calls it before the forward pass then), and its request is not named
+    in finished_recving (it is running; vLLM asserts);
   * a failed load's GPU blocks are reported by get_block_ids_with_load_errors; with several KV cache groups, its
     request is reported in ``failed_recving`` instead (a block id does not say which group's block failed).
 """
@@ -79,6 +83,7 @@ class Transfer:
     kind: TransferKind
     copies: tuple[Copy, ...]
     weights: str = ""  # a put's or a get's: the weights of the namespace its records belong to
+    sync: bool = False  # a load the worker waits for before the forward pass (``Config.sync_loads``)
 
     @property
     def keys(self) -> list[Key]:
@@ -111,6 +116,7 @@ class SpecConnector:
     unfinished: dict[int, Transfer] = field(factory=dict)  # built, not yet reported by every worker
     reports: Counter[int] = field(factory=Counter)  # job id -> workers that reported it
     failed: set[int] = field(factory=set)  # transfers some worker reported as failed
+    poisoned: set[int] = field(factory=set)  # stores of requests that ended with an error: their entries go
     pending_loads: list[Transfer] = field(factory=list)  # for the next plan
     flush_next: set[int] = field(factory=set)  # stores reading blocks freed at a finish, for the next plan
     refusing: set[str] = field(factory=set)  # fault injection: the tier refuses these requests' next store
@@ -144,7 +150,7 @@ class SpecConnector:
         if self.identified and not self._shared_settled(request, num_computed_tokens):
             return None, False  # ask again: the store has not answered, or its records are on their way
         end = self._hit(request, num_computed_tokens, self._in_tier)
-        return (end - num_computed_tokens, True) if end > num_computed_tokens else (0, False)
+        return (end - num_computed_tokens, not self.config.sync_loads) if end > num_computed_tokens else (0, False)
 
     def _hit(self, request: RequestView, computed: int, present: Callable[[Key], bool]) -> int:
         """The longest hit every group can supply, in tokens, leaving one to compute: offload blocks before
@@ -237,6 +243,7 @@ class SpecConnector:
                       for i in range(req.num_computed_tokens // size, end // size)
                       if table[i] != NULL_BLOCK]  # a window's older blocks: not loaded
             load = self._new_transfer(req.req_id, "load", copies)
+            load.sync = self.config.sync_loads
             self.tier.prepare_load(load.keys)
             self.pending_loads.append(load)
 
@@ -334,9 +341,10 @@ class SpecConnector:
                 self.failed.add(job_id)
             if self.reports[job_id] < self.config.num_workers:
                 continue
-            transfer, success = self.unfinished.pop(job_id), job_id not in self.failed
+            transfer, success = self.unfinished.pop(job_id), job_id not in self.failed | self.poisoned
             del self.reports[job_id]
             self.failed.discard(job_id)
+            self.poisoned.discard(job_id)
             self._completed(transfer, success)
 
     def _completed(self, transfer: Transfer, success: bool) -> None:
@@ -372,8 +380,10 @@ class SpecConnector:
         for state in (self.requests, self.block_tables, self.cursors, self.lookups):
             state.pop(request.req_id, None)
         self.refusing.discard(request.req_id)
-        self.flush_next |= {t.job_id for t in self.unfinished.values()
-                            if t.req_id == request.req_id and t.kind == "store"}
+        stores = {t.job_id for t in self.unfinished.values() if t.req_id == request.req_id and t.kind == "store"}
+        self.flush_next |= stores
+        if request.failed:  # it may have computed from a block a synchronous load failed to fill: its KV is garbage
+            self.poisoned |= stores
         return False
 
     def reset_cache(self) -> bool:
@@ -421,6 +431,7 @@ class SpecConnector:
     def start_load_kv(self, metadata: TransferPlan) -> None:
         for load in metadata.loads:
             self._submit(load, partial(self._copy_in, load))
+        self.executor.wait({load.job_id for load in metadata.loads if load.sync})
         for get in metadata.gets:
             self._submit(get, partial(self._get, get))
 
@@ -469,7 +480,7 @@ class SpecConnector:
         else:  # its blocks: the engine keeps the valid prefix
             failed_recving = set()
             self.load_errors |= {b for t in failed for b, _k, _s in t.copies}
-        recving = {t.req_id for t in done if t.kind == "load"}
+        recving = {t.req_id for t in done if t.kind == "load" and not t.sync}  # a synchronous one's is running
         return WorkerOutput(frozenset(), frozenset(recving), tuple(results), frozenset(failed_recving))
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -74,6 +74,15 @@ class Executor:
             if job.job_id in job_ids and not job.executed:
                 self.execute(job)
 
+    def wait(self, job_ids: set[int]) -> None:
+        """A worker waits for these jobs before the forward pass (synchronous loads): each runs now, or fails, and
+        its outcome is known at once."""
+        for job in self.jobs:
+            if job.job_id in job_ids:
+                if not job.executed:
+                    self.execute(job)
+                job.reported = True
+
     def poll(self) -> list[tuple[int, bool]]:
         self.last_polled = [j for j in self.jobs if j.reported]
         self.jobs = [j for j in self.jobs if not j.reported]

@@ -27,9 +27,9 @@ if TYPE_CHECKING:
     from .store import Store
     from .world import World
 
-SPEC_VERSION = "0.15"
+SPEC_VERSION = "0.16"
 
-SAFETY = ("TRACK", "SRC", "DST", "CONTENT", "REF", "ATOMIC", "CURSOR", "JOBS", "FINISH", "FAIL", "LOOKUP",
+SAFETY = ("TRACK", "SRC", "DST", "CONTENT", "REF", "ATOMIC", "CURSOR", "JOBS", "FINISH", "FAIL", "LOOKUP", "SYNC",
           "CAPACITY", "KEEP", "WRITE-ONCE", "NAMESPACE")
 LIVENESS = ("RELEASE", "QUIESCE", "PROGRESS")
 
@@ -153,6 +153,8 @@ def store_bytes(world: World, job: Job, kv: GpuKV) -> None:
     if job.req_id == POOL_STORE:
         return pool_store_bytes(world, job, kv)
     req, k = world.history[job.req_id], world.config.k
+    if req.read_invalid:  # garbage no connector could know of yet: the engine fails the request; CONTENT catches any
+        return  # entry of it that is ever served
     keys = {group_key(h, g): (i, g) for g in range(len(world.groups)) for i, h in enumerate(req.block_hashes)}
     for block, key, sub in job.copies:
         _require(key in keys, "SRC", f"step {world.step_no}: store job {job.job_id} of {job.req_id} stores key "
@@ -200,6 +202,8 @@ def content(world: World) -> None:
     outlived a weight update all surface here as wrong bytes.
     """
     for req in world.requests.values():
+        if world.invalid.intersection(req.blocks):  # it reads a block a synchronous load failed to fill: it fails
+            continue
         for g, (table, size) in enumerate(zip(req.tables, world.block_sizes)):
             for i in range(req.num_final_tokens // size):
                 if table[i] == NULL_BLOCK:  # a sliding window's block that no position reads any more
@@ -293,7 +297,8 @@ def jobs(world: World) -> None:
     """JOBS — per request, one load or any number of stores in flight, never both (checked between rules and
     each time a load is submitted, since an overlap can begin and end inside one step)."""
     kinds: Counter[tuple[str, str]] = Counter((job.req_id, job.kind) for job in world.open_jobs.values()
-                                              if job.kind in ("store", "load"))  # puts and gets touch no GPU block
+                                              if job.kind in ("store", "load")  # puts and gets touch no GPU block
+                                              and job.job_id not in world.sync_jobs)  # done before any store
     for (req_id, kind), n in kinds.items():
         _require(kind == "store" or not kinds[req_id, "store"], "JOBS",
                  f"step {world.step_no}: request {req_id} has loads and stores in flight at once")
@@ -335,7 +340,9 @@ def completions(world: World, executor: Executor, output: WorkerOutput, load_err
     _require(load_errors == failed_load_blocks, "FAIL",
              f"step {world.step_no}: invalid blocks reported {sorted(load_errors)}, "
              f"failed loads wrote {sorted(failed_load_blocks)} (of requests not in failed_recving)")
-    loaded = {job.req_id for job in polled if job.kind == "load"}
+    loaded = {job.req_id for job in polled if job.kind == "load" and job.job_id not in world.sync_jobs}
+    _require(not any(job.job_id in world.sync_jobs for job in executor.jobs), "SYNC",
+             f"step {world.step_no}: a synchronous load's outcome is not in the output of its step")
     _require(output.finished_recving == loaded, "JOBS",
              f"step {world.step_no}: finished_recving {sorted(output.finished_recving)}, loads done {sorted(loaded)}")
     for req_id in output.finished_sending:
@@ -344,20 +351,42 @@ def completions(world: World, executor: Executor, output: WorkerOutput, load_err
                  f"or still has jobs")
 
 
-def lookup(req: Request, num_local: int, num_external: int | None, is_async: bool) -> None:
-    """LOOKUP — a hit lies within the request's tokens and loads asynchronously. (A hit of the whole prompt is
-    allowed: the engine recomputes the last token to sample the next, as vLLM 0.32 does. None is "ask me again next
-    step": vLLM's answer while a request still has transfers in flight.)
+def lookup(world: World, req: Request, num_local: int, num_external: int | None, is_async: bool) -> None:
+    """LOOKUP — a hit lies within the request's tokens. (A hit of the whole prompt is allowed if it loads
+    asynchronously: the engine recomputes the last token to sample the next, as vLLM 0.32 does. None is "ask me
+    again next step": vLLM's answer while a request still has transfers in flight.)
 
-    Why asynchronously: vLLM caches a synchronous load's blocks as it schedules them, and under the recompute policy
-    a load that fails leaves them cached for other requests to read (``tests/vllm/test_sync_loads.py``). The world
-    does not model synchronous loads."""
+    A synchronous hit (loaded before the forward pass of the step that computes the rest) only under the "fail"
+    policy, without async scheduling, with one KV cache group of attention, and with a token left to compute. vLLM
+    caches a synchronous load's blocks as it schedules them, and evicts them when a load fails only by way of the
+    requests it fails (``tests/vllm/test_sync_loads.py``): under "recompute" it fails none, and under async
+    scheduling the request may have been aborted or preempted before the output arrives; either way the invalid
+    blocks stay cached for the next request to read. With several groups vLLM cannot be told which blocks failed.
+    vLLM asserts that a synchronous hit leaves a token to compute."""
     if num_external is None:
         return
     _require(num_external >= 0 and num_local + num_external <= req.num_tokens, "LOOKUP",
              f"request {req.req_id}: {num_local} local + {num_external} external hit tokens of {req.num_tokens}")
-    _require(num_external == 0 or is_async, "LOOKUP", f"request {req.req_id}: a tier hit must load asynchronously "
-             f"(a synchronous one that fails leaves its blocks in vLLM's prefix cache; not modelled)")
+    if num_external == 0 or is_async:
+        return
+    groups, policy = world.config.groups, world.config.load_failure_policy
+    _require(policy == "fail", "LOOKUP", f"request {req.req_id}: a synchronous hit under the {policy!r} policy: one "
+             f"that fails leaves its blocks in vLLM's prefix cache for other requests to read")
+    _require(not world.config.async_scheduling, "LOOKUP", f"request {req.req_id}: a synchronous hit under async "
+             f"scheduling: one that fails outlives its request in vLLM's prefix cache if the request is aborted or "
+             f"preempted before the step's output arrives")
+    _require(len(groups) == 1 and not groups[0].state, "LOOKUP", f"request {req.req_id}: a synchronous hit in a "
+             f"model of {len(groups)} KV cache groups or with recurrent state: vLLM cannot be told which blocks failed")
+    _require(num_local + num_external < req.num_tokens, "LOOKUP", f"request {req.req_id}: a synchronous hit of "
+             f"every token ({num_local} local + {num_external}): vLLM schedules it with none to compute and asserts")
+
+
+def waited(world: World, job: Job) -> None:
+    """SYNC — a synchronous load ran on every worker before the forward pass that reads it, and its outcome is
+    reported in that step's output (vLLM fails the requests that read a block it failed to fill as that output
+    arrives)."""
+    _require(job.executed and job.reported, "SYNC", f"step {world.step_no}: synchronous load job {job.job_id} of "
+             f"{job.req_id} still in flight when the forward pass reads it (a worker waits for it in start_load_kv)")
 
 
 def release(world: World) -> None:

@@ -79,6 +79,12 @@ class BlockPool:
             if self.refs[b] == 0:
                 self.free[b] = None
 
+    def evict(self, blocks: list[int]) -> None:
+        """Out of the prefix cache, held or not (vLLM's ``evict_blocks``)."""
+        for b in blocks:
+            if b in self.hash_of:
+                del self.by_hash[self.hash_of.pop(b)]
+
     def cache(self, block: int, block_hash: int) -> None:
         if block_hash not in self.by_hash and block not in self.hash_of:
             self.by_hash[block_hash] = block

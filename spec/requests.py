@@ -83,6 +83,9 @@ class Request:
     looked_up: bool = False  # the connector has seen this request
     resumed: bool = False  # preempted since it last ran
     sampled_last: bool = False  # its last step sampled a token: it may verify drafts now (speculative decoding)
+    # a forward pass read a block a synchronous load failed to fill: what it computed is garbage, and the engine
+    # fails it as that load's output arrives
+    read_invalid: bool = False
 
     @tokens.default
     def _prompt(self) -> list[int]:
@@ -101,6 +104,10 @@ class Request:
     def blocks(self) -> list[int]:
         """Every block the request holds, in all groups."""
         return [b for table in self.tables for b in table if b != NULL_BLOCK]
+
+    @property
+    def failed(self) -> bool:
+        return self.state is State.FAILED
 
     def loading(self) -> bool:
         """Admitted with a tier hit, its load not landed yet. A method: calls change ``state`` behind a type

@@ -72,6 +72,8 @@ class RequestView(Protocol):
         so its adapter carries the hit.) Later counts come per step in ``ScheduledRequest``; the request's own
         includes placeholders and unverified drafts, and a connector must not read it then.
       * ``num_prompt_tokens`` never changes: the tokens before the first sampled one.
+      * ``failed`` is read in ``request_finished`` only: the request ended with an error (vLLM's ``FINISHED_ERROR``:
+        under the "fail" policy, a load it read from failed).
     """
 
     @property
@@ -88,6 +90,9 @@ class RequestView(Protocol):
 
     @property
     def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def failed(self) -> bool: ...
 
 
 class ScheduledRequest(NamedTuple):  # a tuple: engines build one per request per step
@@ -117,6 +122,9 @@ class SchedulerOutput:
     # as (request, group, block, tokens the state follows), because a connector cannot find it by position once the
     # next chunk frees it (vLLM's ``boundary_state_offloads``). Our connectors store states by position and ignore it.
     state_handoffs: tuple[tuple[str, int, int, int], ...] = ()
+    # A request admitted this step loads synchronously: the workers start loads before the forward pass, and wait
+    # for those (vLLM's ``has_sync_kv_loads``)
+    has_sync_loads: bool = False
 
 
 @define

@@ -57,7 +57,7 @@ from . import invariants
 from .config import Config, ConfigError
 from .executor import Executor
 from .groups import FULL_ATTENTION, Group, checkpoint_saved, longest_hit, retained, state_chunk
-from .memory import PARTIAL, BlockPool
+from .memory import GARBAGE, PARTIAL, BlockPool
 from .records import Namespace
 from .requests import Request, State, continuation, extend_block_hashes, kv_content
 from .store import SharedTier, Store
@@ -119,6 +119,11 @@ class World:
     failed_jobs: set[int] = field(factory=set)  # jobs some worker reported as failed
     remaining: dict[str, Counter[str]] = field(factory=lambda: {"sending": Counter(), "recving": Counter()})
     bad_blocks: set[int] = field(factory=set)  # reported invalid, their request's load not yet finished
+    sync_loading: set[str] = field(factory=set)  # admitted this step with a synchronous load
+    sync_jobs: set[int] = field(factory=set)  # synchronous loads not yet reported by every worker
+    # blocks a synchronous load failed to fill, until the output that says so arrives: what the forward pass
+    # computes from them is garbage, and the requests holding them end with an error then
+    invalid: set[int] = field(factory=set)
     failed_loads: set[str] = field(factory=set)  # reported in failed_recving by some worker, not by all finished yet
     window_freed: set[int] = field(factory=set)  # freed by a sliding window, not written since: stores are fenced
     got: set[int] = field(factory=set)  # keys whose tier entry a get brought from the store (none stored since)
@@ -136,7 +141,7 @@ class World:
     stats: dict[str, int] = field(factory=lambda: dict.fromkeys(
         ("steps", "requests", "finished", "preemptions", "engine_hit_blocks", "tier_hit_tokens", "blocks_loaded",
          "blocks_stored", "failed_transfers", "drafts", "rejected_drafts", "weight_updates", "window_freed_blocks",
-         "checkpoints", "checks", "failed_requests"), 0))
+         "checkpoints", "checks", "failed_requests", "sync_loads"), 0))
 
     @pool.default
     def _pool(self) -> BlockPool:
@@ -314,12 +319,17 @@ class World:
             worker.handle_preemptions(meta)
         if not self.fenced:
             invariants.src(self)
+        if out.has_sync_loads:  # before the forward pass, which reads what they load
+            for worker in self.workers:
+                worker.start_load_kv(meta)
+            self._waited()
         invariants.content(self)  # what the forward pass attends to: checked each step, not only between rules
         scheduled = [(self.requests[s.req_id], s.num_scheduled_tokens) for s in out.scheduled]
         samples = self._forward(out)
         self.committed_states.clear()
-        for worker in self.workers:  # after the forward launch: every load the world knows is asynchronous
-            worker.start_load_kv(meta)
+        for worker in self.workers:  # otherwise after the forward launch, off its critical path
+            if not out.has_sync_loads:
+                worker.start_load_kv(meta)
             worker.wait_for_save(meta)
         output: StepOutput | None = StepOutput(samples, *self._worker_output(out), scheduled)
         if self.config.async_scheduling:  # the engine schedules the next step before it applies this one
@@ -334,6 +344,7 @@ class World:
 
     def _schedule(self) -> SchedulerOutput:
         self.step_no += 1
+        self.sync_loading = set()
         budget = self.config.token_budget
         scheduled: list[ScheduledRequest] = []
         preempted_now = False
@@ -368,7 +379,7 @@ class World:
         finished, self.finished_since_step = frozenset(self.finished_since_step), set()
         preempted, self.preempted_since_step = frozenset(self.preempted_since_step), set()
         handoffs, self.state_handoffs = tuple(self.state_handoffs), []
-        return SchedulerOutput(self.step_no, tuple(scheduled), preempted, finished, handoffs)
+        return SchedulerOutput(self.step_no, tuple(scheduled), preempted, finished, handoffs, bool(self.sync_loading))
 
     @staticmethod
     def _surely_done(req: Request) -> bool:
@@ -451,9 +462,10 @@ class World:
             req.resumed = False
             budget -= n
 
-    def _lookup(self, req: Request) -> tuple[list[list[int]], int, int] | None:
+    def _lookup(self, req: Request) -> tuple[list[list[int]], int, int, bool] | None:
         """The GPU prefix hit (per group, the blocks a hit needs and NULL_BLOCK before them, and its tokens), then
-        the connector's hit in tokens (None: the connector asks to be asked later)."""
+        the connector's hit in tokens (None: the connector asks to be asked later) and whether it loads
+        asynchronously."""
         hashes = req.block_hashes
         hashed = min(req.num_tokens - 1, len(hashes) * self.config.block_size)  # the last token is always computed
         end = longest_hit(self.groups, self.block_sizes, hashed,
@@ -464,8 +476,8 @@ class World:
         req.shared_prefix_boundary = self._shared_prefix_boundary(req, hashed, end)
         num_external, is_async = self.connector.get_num_new_matched_tokens(req, end)
         req.looked_up = True
-        invariants.lookup(req, end, num_external, is_async)
-        return None if num_external is None else (hit, end, num_external)
+        invariants.lookup(self, req, end, num_external, is_async)
+        return None if num_external is None else (hit, end, num_external, is_async)
 
     def _shared_prefix_boundary(self, req: Request, hashed: int, hit: int) -> int:
         """How far the first group vLLM looks up (full attention if there is one) alone has the prefix cached, if
@@ -480,23 +492,26 @@ class World:
         return alone if alone > hit else 0
 
     def _allocate_with_hits(self, req: Request, budget: int, hit: list[list[int]], num_local: int,
-                            num_external: int) -> bool:
+                            num_external: int, is_async: bool) -> bool:
         """Admission: take the hits, allocate the rest of the first step, tell the connector. False: no room. A
         load fills only the blocks the hit needs: those a sliding window skips once the hit's tokens are computed
-        stay NULL_BLOCK, as in vLLM (a hit may end inside a block)."""
-        first_step = num_external if num_external else self._chunk(req, num_local,
-                                                                   min(req.num_tokens - num_local, budget))
-        if not first_step:  # no budget for a block-aligned chunk: vLLM admits no more this step (``break``)
-            return False
+        stay NULL_BLOCK, as in vLLM (a hit may end inside a block). An asynchronous load's request waits for it; a
+        synchronous one's is scheduled at once, computed from the end of the hit, and the hit's blocks enter the
+        prefix cache as it is scheduled (vLLM's ``allocate_slots``): the workers load them before the forward pass."""
+        start = end = num_local + num_external
+        if not (num_external and is_async):  # it computes in this step: from the end of its hit
+            end += self._chunk(req, start, min(req.num_tokens - start, budget))
+            if end == start:  # no budget for a block-aligned chunk: vLLM admits no more this step (``break``)
+                return False
         if any(table and table[-1] in self.committed_states for table in hit):  # its state is not computed yet:
             return False  # vLLM reports no room (``MambaManager.get_num_blocks_to_allocate``) and admits no more
         held = [b for table in hit for b in table if b != NULL_BLOCK]
         self.pool.take(held)
         req.tables, req.left_behind = [list(table) for table in hit], {}
         for table, group, size in zip(req.tables, self.groups, self.block_sizes):
-            start = group.skipped_blocks(num_local + num_external, size) if num_external else 0
-            table += [NULL_BLOCK] * (start - len(table))
-        if self._grow(req, num_local + num_external, num_local + first_step, first=True) is None:
+            skipped = group.skipped_blocks(start, size) if num_external else 0
+            table += [NULL_BLOCK] * (skipped - len(table))
+        if self._grow(req, start, end, first=True) is None:
             self.pool.release(held)
             req.tables = [[] for _ in self.groups]
             return False
@@ -504,8 +519,14 @@ class World:
         self.stats["engine_hit_blocks"] += len(held)
         self._allocated(req, num_external)
         if num_external:
-            req.state, req.load_target = State.WAITING_FOR_LOAD, num_local + num_external
             self.stats["tier_hit_tokens"] += num_external
+        if num_external and is_async:
+            req.state, req.load_target = State.WAITING_FOR_LOAD, start
+        elif num_external:
+            req.num_computed_tokens = req.num_final_tokens = req.load_target = start
+            self._cache_full_blocks(req)
+            self.sync_loading.add(req.req_id)
+            self.stats["sync_loads"] += 1
         return True
 
     def _chunk(self, req: Request, start: int, n: int) -> int:
@@ -641,12 +662,16 @@ class World:
 
     def _write(self, req: Request, start: int, end: int, inputs: list[int], drafts: int, accepted: int) -> None:
         """The forward pass writes the KV of positions ``start`` to ``end`` (the last ``drafts`` of them drafts, the
-        first ``accepted`` of those right), and a state group the states it computes."""
+        first ``accepted`` of those right), and a state group the states it computes: garbage, where it attends to
+        a block a synchronous load failed to fill."""
         bs = self.config.block_size
         hashes = req.content_hashes[:len(req.tokens) // bs]
         extend_block_hashes(inputs, bs, hashes)  # blocks holding drafts get the hash of what was really input
+        req.read_invalid |= bool(self.invalid.intersection(req.blocks))
 
         def content(g: int, upto: int) -> int:  # what a block holds once computed up to token ``upto``
+            if req.read_invalid:
+                return GARBAGE
             size = self.block_sizes[g]
             return self.kv_of(self.block_hash(hashes, upto // size - 1, g)) if upto % size == 0 else PARTIAL
         for g, (table, size, group) in enumerate(zip(req.tables, self.block_sizes, self.groups)):
@@ -711,6 +736,8 @@ class World:
 
     def _submitted(self, job: Job) -> None:
         self.open_jobs.setdefault(job.job_id, job)
+        if job.kind == "load" and job.req_id in self.sync_loading:
+            self.sync_jobs.add(job.job_id)
         if job.kind == "load":  # a load and a store of one request may not overlap even within a step
             invariants.jobs(self)
         elif job.kind == "put":
@@ -733,14 +760,39 @@ class World:
             if self.requests.get(req.req_id) is req:  # not finished or aborted meanwhile
                 self._apply_sample(req, sampled, rejected)
 
+    def _waited(self) -> None:
+        """After ``start_load_kv`` in a step with synchronous loads: every worker ran each of them before the
+        forward pass (SYNC), and the blocks one failed to fill hold garbage until the output that reports it."""
+        for worker, executor in enumerate(self.executors):
+            for job in executor.jobs:
+                if job.job_id in self.sync_jobs:
+                    invariants.waited(self, job)
+                    if not job.success:
+                        self.invalid.update(job.gpu_blocks)
+                    elif worker == 0:
+                        self.stats["blocks_loaded"] += len(job.gpu_blocks)
+
     def _fail_loads(self, failed: frozenset[str], load_errors: set[int]) -> None:
         """The "fail" policy: a request whose load failed, as a whole (``failed_recving``) or in a block it loads
         into (invalid blocks), ends with an error as the output that says so arrives, before the transfers that
         output reports are applied (vLLM's ``update_from_output``: ``_handle_failed_recving`` and
-        ``_handle_invalid_blocks`` first, ``_update_from_kv_xfer_finished`` last). Its blocks stay held until its
-        load has finished on every worker."""
-        for req in [r for r in self.waiting if r.loading() and (r.req_id in failed or load_errors & set(r.blocks))]:
-            self.waiting.remove(req)
+        ``_handle_invalid_blocks`` first, ``_update_from_kv_xfer_finished`` last). An asynchronous load's blocks
+        stay held until it has finished on every worker. A synchronous load's blocks entered the prefix cache as it
+        was scheduled: every running request that holds one of them (a later one may have hit it) ends too, and
+        vLLM evicts each request's first invalid block and every block after it (``evict_blocks``)."""
+        doomed = [r for r in self.waiting if r.loading() and (r.req_id in failed or load_errors & set(r.blocks))]
+        marked: set[int] = set()
+        for req in self.running:
+            invalid = [i for i, b in enumerate(req.tables[0]) if b in load_errors]
+            if invalid:
+                doomed.append(req)
+                first = next((i for i in invalid if req.tables[0][i] not in marked), None)
+                marked |= {req.tables[0][i] for i in invalid}
+                if first is not None:
+                    self.pool.evict(req.tables[0][first:])
+        self.invalid -= load_errors
+        for req in doomed:
+            (self.waiting if req.loading() else self.running).remove(req)
             self._finish(req, State.FAILED)
             self.stats["failed_requests"] += 1
 
@@ -752,6 +804,7 @@ class World:
             if self.reports[job_id] == len(self.workers):
                 job = self.open_jobs.pop(job_id)
                 del self.reports[job_id]
+                self.sync_jobs.discard(job_id)
                 if job_id in self.failed_jobs:
                     self.failed_jobs.discard(job_id)
                     self.stats["failed_transfers"] += 1
@@ -888,8 +941,10 @@ class World:
             yield from executor.jobs
 
     def touching(self, block: int) -> Iterator[Job]:
-        """Jobs that still read (unexecuted stores) or write (unreported loads) a GPU block, on any worker."""
-        return (j for j in self.in_flight() if block in j.gpu_blocks and (j.kind == "load" or not j.executed))
+        """Jobs that still read (unexecuted stores) or write (unreported loads; synchronous ones: unexecuted) a GPU
+        block, on any worker."""
+        return (j for j in self.in_flight() if block in j.gpu_blocks
+                and (j.kind == "load" and j.job_id not in self.sync_jobs or not j.executed))
 
     def advance(self, index: int, fail: bool) -> None:
         """The environment moves one job on one worker a stage on (picked by index over all workers' jobs)."""

@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: we read its connector
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the demo's own progress and table, not the engine's log
@@ -114,13 +114,14 @@ def save_once(path: Path, make_model: Any, seed: int = 0) -> Path:
     return path
 
 
-def connector_config(**extra):
+def connector_config(*, load_failure_policy: Literal["recompute", "fail"] = "recompute", **extra: Any) -> Any:
+    """Our connector's ``KVTransferConfig``: a failed load is recomputed, not an error, unless the policy is "fail"
+    (vLLM's default; synchronous loads, ``sync_loads=True``, need it)."""
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(kv_connector="KVOffloadConnector", kv_role="kv_both",
                             kv_connector_module_path="kvoffload.impl.vllm",
-                            kv_connector_extra_config=extra,
-                            kv_load_failure_policy="recompute")  # a failed load is recomputed, not an error
+                            kv_connector_extra_config=extra, kv_load_failure_policy=load_failure_policy)
 
 
 def make_llm(model: Path, kv_transfer_config=None, num_gpu_blocks: int = 48, log_stats: bool = False,

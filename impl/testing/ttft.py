@@ -10,6 +10,8 @@ and ``tier`` take turns, document by document (``run_ways``), so that a hit and 
   * ``tier``: our connector with a CPU tier only. The document with a third question, cold (recompute with the
     connector, which stores it); the engine's prefix cache reset (checked); then the first question (a **CPU-tier
     hit**).
+  * ``sync``: the same, with synchronous loads (``sync_loads``, under vLLM's "fail" policy): the hit loads in the
+    step that computes the question, not in a step of its own (a **synchronous CPU-tier hit**).
   * ``writer``: our connector with a CPU tier and a shared tier in a directory: the document with a third question,
     cold (recompute while storing it into both, the records fsynced into the directory).
   * ``shared``: a new engine on the writer's directory, its CPU tier empty: the first question (a **shared-tier
@@ -93,8 +95,10 @@ def serve(way: str, model: Path, max_length: int, shared_tier: dict[str, Any] | 
     max_len = max_length + QUESTION + BLOCK_SIZE
     blocks = 2 * (max_len // BLOCK_SIZE) + 16  # two documents' blocks: the GPU prefix cache holds the last one
     connector = None
-    if way != "none":
-        shared = {"shared_tier": shared_tier} if way not in ("none", "tier") else {}
+    if way == "sync":
+        connector = connector_config(load_failure_policy="fail", tier_bytes=4 << 30, sync_loads=True)
+    elif way != "none":
+        shared: dict[str, Any] = {"shared_tier": shared_tier} if way != "tier" else {}
         connector = connector_config(tier_bytes=4 << 30, **shared)  # an offload block is one of the engine's blocks
     llm = make_llm(model, connector, num_gpu_blocks=blocks, max_model_len=max_len, memory_share=0.4)
 
@@ -110,8 +114,8 @@ def _stats(way: str, llm: Any) -> dict[str, Any]:
     if way.endswith("writer"):  # its puts end, and are counted
         drain(llm)
     stats = scheduler_connector(llm).stats()
-    return {k: stats[k] for k in ("hit_tokens", "loaded_blocks", "shared_got_blocks", "shared_hits", "shared_stored",
-                                  "shared_quarantined") if k in stats}
+    return {k: stats[k] for k in ("hit_tokens", "loaded_blocks", "sync_loaded_blocks", "shared_got_blocks",
+                                  "shared_hits", "shared_stored", "shared_quarantined") if k in stats}
 
 
 def _ask(way: str, llm: Any, doc_id: int, doc: list[int], resets: list[int]) -> dict[str, tuple[float, int]]:
@@ -119,10 +123,11 @@ def _ask(way: str, llm: Any, doc_id: int, doc: list[int], resets: list[int]) -> 
     if way == "none":
         recompute = first_token(llm, doc + question(doc_id, 1))
         return {"recompute": recompute, "gpu_hit": first_token(llm, doc + question(doc_id, 2))}
-    if way == "tier":
+    if way in ("tier", "sync"):
         stored = first_token(llm, doc + question(doc_id, 3))
         resets.append(reset_prefix_cache(llm))
-        return {"recompute_storing": stored, "cpu_tier": first_token(llm, doc + question(doc_id, 1))}
+        hit = first_token(llm, doc + question(doc_id, 1))
+        return {"recompute_storing": stored, "cpu_tier": hit} if way == "tier" else {"cpu_tier_sync": hit}
     if way.endswith("writer"):
         return {way.replace("writer", "recompute_putting"): first_token(llm, doc + question(doc_id, 3))}
     return {SHARED_KIND[way]: first_token(llm, doc + question(doc_id, 1))}
@@ -175,7 +180,7 @@ def paired(runs: dict[str, dict[str, Any]], kind: str, baseline: str, n: int) ->
 def mismatches(runs: dict[str, dict[str, Any]]) -> list[str]:
     """Every hit whose first token differs from recompute's for the same prompt."""
     truth, wrong = runs["none"]["tokens"], []
-    for way, kind in (("tier", "cpu_tier"), *SHARED_KIND.items()):
+    for way, kind in (("tier", "cpu_tier"), ("sync", "cpu_tier_sync"), *SHARED_KIND.items()):
         for key, token in runs.get(way, {"tokens": {}})["tokens"].items():
             length_and_doc = key.removeprefix(f"{kind}/")
             if length_and_doc != key and token != truth[f"recompute/{length_and_doc}"]:

@@ -20,6 +20,8 @@ server instead (``kvoffload.impl.tiers.redis``: ``url``, ``username``, ``passwor
 ``timeout``, ``tls_*``).
 
 (vLLM's default failure policy, "fail", ends a request whose load failed with an error; "recompute" recomputes it.)
+``sync_loads`` (False by default) loads a hit in the step that computes the rest of the prompt; it needs "fail" and
+synchronous scheduling.
 
 vLLM builds one instance per role; each uses one side of ``OffloadConnector``. This package only translates
 vLLM's objects into the neutral types of ``kvoffload.spec.types`` and back; all vLLM imports of production code

@@ -39,6 +39,8 @@ EXTRA: dict[str, tuple[Callable[[object], bool], str]] = {
     "store_threshold": (_positive_int, "a positive int: offers of a block before the tier takes it (1: at once)"),
     "offers_remembered": (_positive_int, "a positive int: blocks whose offers are counted"),
     "store_prompts_only": (lambda v: isinstance(v, bool), "a bool"),
+    "sync_loads": (lambda v: isinstance(v, bool), "a bool: hits load in the step that computes the rest (needs "
+                   "kv_load_failure_policy='fail' and no async scheduling)"),
 }
 EXTRA_KEYS = set(EXTRA)
 # shared_tier: key -> (check, what it must be, default; None: required, OPTIONAL: the backend's own default). The
@@ -208,7 +210,10 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
                   store_prompts_only=extra.get("store_prompts_only", False),
                   num_spec_tokens=vllm_config.num_speculative_tokens,  # what the spec refuses of it, refused
                   checkpoint_alignment=checkpoint_alignment(kv_cache_config),
-                  retention_interval=kv_cache_config.prefix_cache_retention_interval)
+                  retention_interval=kv_cache_config.prefix_cache_retention_interval,
+                  load_failure_policy=vllm_config.kv_transfer_config.kv_load_failure_policy,
+                  async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
+                  sync_loads=extra.get("sync_loads", False))
 
 
 def checkpoint_alignment(kv_cache_config: Any) -> int | None:

@@ -356,7 +356,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.offload.start_load_kv(metadata.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # loads are asynchronous: requests wait for them, layers never do
+        pass  # a synchronous load is waited for whole in start_load_kv; an asynchronous one, by its request
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         pass  # whole blocks are stored after the forward pass, in wait_for_save

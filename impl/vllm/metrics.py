@@ -14,7 +14,8 @@ MOVED = ("bytes_stored", "bytes_loaded", "store_seconds", "load_seconds", "share
          "shared_got_bytes", "shared_put_seconds", "shared_get_seconds", "shared_backpressure_drops")
 GAUGES = ("shared_used_bytes",)  # levels: the latest value counts, never a sum
 LATENCIES = {"get": "shared_get_latencies", "put": "shared_put_latencies"}  # seconds of each get, each put
-COUNTERS = ("lookups", "hit_tokens", "engine_hit_tokens", "stored_blocks", "loaded_blocks", "failed_stores",
+COUNTERS = ("lookups", "hit_tokens", "engine_hit_tokens", "stored_blocks", "loaded_blocks", "sync_loaded_blocks",
+            "failed_stores",
             "failed_loads", "alloc_failures", "evictions", "unadmitted_blocks", "shared_lookups",
             "shared_deadline_misses", "shared_got_blocks", "shared_failed_gets", "shared_put_blocks",
             "shared_reclaimed_bytes", *MOVED)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from vllm.v1.request import RequestStatus
 
 from kvoffload.spec.config import Config
 from kvoffload.spec.types import NULL_BLOCK, ScheduledRequest, SchedulerOutput
@@ -48,6 +49,10 @@ class VllmRequestView:
     @property
     def num_prompt_tokens(self) -> int:
         return self.request.num_prompt_tokens
+
+    @property
+    def failed(self) -> bool:
+        return self.request.status == RequestStatus.FINISHED_ERROR
 
 
 @dataclass

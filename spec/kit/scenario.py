@@ -58,7 +58,7 @@ class Scenario:
                          f" workers={c.num_workers}" * (c.num_workers > 1), " broken-loads" * self.broken_loads,
                          f" groups={groups}" * (c.groups != FULL_ATTENTION), " file-faults" * self.file_faults,
                          " weight-versions" * self.weight_versions,
-                         " fail-policy" * (c.load_failure_policy == "fail")))
+                         " fail-policy" * (c.load_failure_policy == "fail"), " sync-loads" * c.sync_loads))
         if self.engines > 1 or self.store:
             models = f" models={','.join(map(str, self.identities))}" if any(self.identities) else ""
             delay = f"/delay={self.store_delay}" if self.store_delay else ""

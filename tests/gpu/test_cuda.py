@@ -199,10 +199,29 @@ def test_a_job_that_raises_is_reported_failed_not_raised():
     assert executor.poll() == []  # each job is reported exactly once
 
 
+def test_a_synchronous_load_has_landed_when_wait_returns():
+    """What a worker waits for in ``start_load_kv`` before the forward pass: the copy is done, and the next poll
+    reports it (an outcome in the output of its step, as vLLM needs it to fail a request that read a failed one)."""
+    kv, copier, executor = setup()
+    executor.submit(job(copier, 1, "store", [3, 4], [0, 1]))
+    assert wait_for(executor, [1]) == {1: True}
+    executor.submit(job(copier, 2, "load", [5, 6], [0, 1]))
+    executor.wait({2})
+    assert executor.poll() == [(2, True)]
+    assert kv.holds(5, 1003) and kv.holds(6, 1004)
+
+
 def test_connector_conforms_on_cuda():
     scenario = Scenario(Config(num_gpu_blocks=12, tier_blocks=4, prefix_caching=False), delay=2, failures=True)
     run_conformance(OffloadConnector, scenario, level="exact",
                     kv_factory=functools.partial(LayeredKV, shape="kv_first", device="cuda"), max_examples=20)
+
+
+def test_connector_conforms_on_cuda_with_synchronous_loads():
+    from tests.stateful.scenarios import SYNC_SCENARIOS
+
+    run_conformance(OffloadConnector, SYNC_SCENARIOS["k2-sync-spec2-tp2-broken-loads"], level="exact",
+                    kv_factory=functools.partial(LayeredKV, shape="kv_first", device="cuda"), max_examples=10)
 
 
 @pytest.mark.parametrize("name", ["hybrid-state-full-checkpoints-async-spec3-delayed-failures",

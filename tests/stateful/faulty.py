@@ -6,6 +6,8 @@ The conformance kit must catch every one (``test_faulty_variants.py``). Add a bu
 
 from __future__ import annotations
 
+from functools import partial
+
 from attrs import evolve
 
 from kvoffload.impl import OffloadConnector, OffloadTier
@@ -364,6 +366,45 @@ HYBRID_VARIANTS = {
     HitsWithoutTheState: "hybrid-state-full-delayed-failures",
     StoresTheStateLikeAttention: "hybrid-full-state-w4-async-tp2-delayed-failures",
 }
+
+
+# ---- synchronous loads, in the spec connector: each is caught by the invariant named, at the invariants level
+class DoesNotWaitForSyncLoads(SpecConnector):
+    """A synchronous hit whose load the worker only submits: the forward pass reads blocks it is still filling."""
+
+    def start_load_kv(self, metadata) -> None:
+        for load in metadata.loads:
+            self._submit(load, partial(self._copy_in, load))  # the bug: no wait
+
+
+class ReportsSyncLoadsFinished(SpecConnector):
+    """A synchronous load's request named in finished_recving, as an asynchronous one's is: it is running, and
+    vLLM asserts that a request named there waits for its load or has finished."""
+
+    def get_finished(self, finished_req_ids):
+        done = [t for t in self.submitted.values() if t.kind == "load"]
+        output = super().get_finished(finished_req_ids)
+        polled = {job_id for job_id, _ok in output.job_results}
+        return evolve(output, finished_recving=output.finished_recving | {t.req_id for t in done
+                                                                          if t.job_id in polled})
+
+
+class StoresWhatAFailedRequestComputed(SpecConnector):
+    """A request that ended with an error keeps its stores: what it computed after a synchronous load failed (its
+    own, or another request's it hit in the engine's prefix cache) becomes tier entries, served to the next hit."""
+
+    def request_finished(self, request, block_ids) -> bool:
+        poisoned = set(self.poisoned)
+        delay = super().request_finished(request, block_ids)
+        self.poisoned = poisoned  # the bug
+        return delay
+
+
+SYNC_VARIANTS = {
+    DoesNotWaitForSyncLoads: ("k1-sync-delayed-failures", "SYNC"),
+    ReportsSyncLoadsFinished: ("k1-sync-immediate-failures-no-prefix-cache", "JOBS"),
+}  # StoresWhatAFailedRequestComputed takes four requests of one prompt: an explicit program catches it
+   # (test_faulty_variants.py)
 
 
 # ---- the fleet's shared store: bugs of vLLM's, LMCache's and SGLang's shared tiers (DESIGN §9), re-created in the

@@ -45,6 +45,20 @@ GPU_MODE_SCENARIOS = {
                store_prompts_only=True), delay=1, failures=True),
 }
 
+# Synchronous loads (the spec connector's; the reference and production connectors load asynchronously): a hit
+# loads in the step that computes the rest, under vLLM's "fail" policy, without async scheduling (LOOKUP says why).
+SYNC_SCENARIOS = {
+    "k1-sync-delayed-failures": Scenario(
+        Config(num_gpu_blocks=16, tier_blocks=8, load_failure_policy="fail", sync_loads=True), delay=2,
+        failures=True),
+    "k2-sync-spec2-tp2-broken-loads": Scenario(  # every load fails on worker 1: every hit's request fails
+        Config(num_gpu_blocks=18, offload_block_size=4, tier_blocks=6, num_workers=2, num_spec_tokens=2,
+               load_failure_policy="fail", sync_loads=True), delay=1, failures=True, broken_loads=True),
+    "k1-sync-immediate-failures-no-prefix-cache": Scenario(
+        Config(num_gpu_blocks=14, tier_blocks=8, prefix_caching=False, load_failure_policy="fail", sync_loads=True),
+        failures=True),
+}
+
 ARC_SCENARIOS = {
     "arc-k1-immediate": Scenario(Config(num_gpu_blocks=14, tier_blocks=4, policy="arc", prefix_caching=False)),
     "arc-k2-delayed-failures": Scenario(

@@ -12,7 +12,7 @@ from kvoffload.reference import ReferenceConnector, TensorKV
 from kvoffload.spec import GROUPS, SpecConnector
 from kvoffload.spec.kit import run_conformance
 
-from .scenarios import ARC_SCENARIOS, FLEET_SCENARIOS, GPU_MODE_SCENARIOS, HYBRID_SCENARIOS, SCENARIOS
+from .scenarios import ARC_SCENARIOS, FLEET_SCENARIOS, GPU_MODE_SCENARIOS, HYBRID_SCENARIOS, SCENARIOS, SYNC_SCENARIOS
 
 ALL = {**SCENARIOS, **GPU_MODE_SCENARIOS, **ARC_SCENARIOS}
 
@@ -32,6 +32,20 @@ def failed_as_the_policy_says(scenario, coverage) -> None:
 @pytest.mark.parametrize("name", ALL)
 def test_spec_keeps_its_invariants(name):
     failed_as_the_policy_says(ALL[name], run_conformance(SpecConnector, ALL[name], level="invariants"))
+
+
+@pytest.mark.parametrize("name", SYNC_SCENARIOS)
+def test_spec_keeps_its_invariants_with_synchronous_loads(name):
+    """Hits loaded before the forward pass that reads them; a failed one ends every request that read its blocks."""
+    coverage = run_conformance(SpecConnector, SYNC_SCENARIOS[name], level="invariants")
+    assert coverage.world["sync_loads"] and coverage.world["blocks_loaded"]
+    assert coverage.world["failed_requests"] or not SYNC_SCENARIOS[name].broken_loads
+
+
+@pytest.mark.parametrize("i, name", list(enumerate(SYNC_SCENARIOS)))
+def test_reference_and_impl_equal_spec_with_synchronous_loads(i, name):
+    run_conformance(ReferenceConnector, SYNC_SCENARIOS[name], level="exact", kv_factory=TensorKV)
+    run_conformance(OffloadConnector, SYNC_SCENARIOS[name], level="exact", kv_factory=LAYOUTS[i % len(LAYOUTS)])
 
 
 @pytest.mark.parametrize("name", [*SCENARIOS, *GPU_MODE_SCENARIOS])

@@ -26,6 +26,8 @@ if __name__ == "__main__":
     parser.add_argument("--kv-events", action="store_true", help="the engine publishes KV cache events")
     parser.add_argument("--max-file-bytes", type=int, help="no file may grow past this (as on a full disk: EFBIG)")
     parser.add_argument("--kill-between-rounds", type=int, help="SIGKILL this process after the first round")
+    parser.add_argument("--load-failure-policy", default="recompute", choices=("recompute", "fail"),
+                        help="vLLM's kv_load_failure_policy ('fail': a request whose load failed ends with an error)")
     args = parser.parse_args()
 
     from vllm.config import KVTransferConfig
@@ -36,7 +38,8 @@ if __name__ == "__main__":
     if args.connector:
         module, cls = args.connector.split(":")
         config = KVTransferConfig(kv_connector=cls, kv_role="kv_both", kv_connector_module_path=module,
-                                  kv_connector_extra_config=json.loads(args.extra), kv_load_failure_policy="recompute")
+                                  kv_connector_extra_config=json.loads(args.extra),
+                                  kv_load_failure_policy=args.load_failure_policy)
     # a model with recurrent state gets vLLM's aligned blocks (256 tokens), and documents of several of them
     llm = make_llm(args.model, config, num_gpu_blocks=args.gpu_blocks, kv_events=args.kv_events,
                    max_model_len=4096 if has_state(args.model) else 1024)

@@ -1,9 +1,9 @@
 """The worker hooks in the order vLLM calls them, read from vLLM's own model-runner code, against the world's.
 
 vLLM calls ``handle_preemptions`` before the forward pass and starts a step's loads *after* it unless the step has
-a synchronous load (``start_after_forward = not scheduler_output.has_sync_kv_loads``). The world's loads are all
-asynchronous (LOOKUP), so its order must be vLLM's order for such a step; what must happen before the pass writes
-KV (flushing stores whose blocks the engine freed) therefore belongs in ``handle_preemptions``. Both of vLLM's
+a synchronous load (``start_after_forward = not scheduler_output.has_sync_kv_loads``), and so does the world. In a
+step without one, what must happen before the pass writes KV (flushing stores whose blocks the engine freed)
+therefore belongs in ``handle_preemptions``. Both of vLLM's
 model runners are asked: the default one (its connector context manager, ``_get_kv_connector_output``, and
 ``execute_model`` around it) and the new one (``ActiveKVConnector.pre_forward`` / ``post_forward``). The test runs
 against vLLM 0.32 here and 0.33 through ``test_releases.py``.
@@ -154,13 +154,18 @@ class RecordingSpecConnector(SpecConnector):
         return object.__getattribute__(self, name)
 
 
-def world_order() -> list[str]:
-    config = Config(num_gpu_blocks=16, tier_blocks=8)
+def world_order(sync: bool) -> list[str]:
+    """The worker calls of a step that admits a tier hit, loaded synchronously or not."""
+    config = Config(num_gpu_blocks=16, tier_blocks=8, load_failure_policy="fail", sync_loads=sync)
     connector = RecordingSpecConnector(config)
     world = RecordingWorld(config, connector, ListKV(16), Executor(delay=1))
     world.add_request([0, 1, 2, 0, 1, 2], 2)
+    world.run_to_completion()
+    world.drain()  # its blocks stored
+    world.reset_prefix_cache()
+    world.add_request([0, 1, 2, 0, 1, 2], 2)
     connector.calls.clear()  # registration and lookups are not the step's worker calls
-    world.step()
+    assert world.step().has_sync_loads == sync and world.stats["tier_hit_tokens"]
     return connector.calls
 
 
@@ -173,7 +178,7 @@ def test_the_world_calls_the_worker_hooks_in_vllms_order(scheduler_output, runne
     assert synchronous.index("start_load_kv") < synchronous.index("forward")
     assert asynchronous.index("forward") < asynchronous.index("start_load_kv")
     assert asynchronous.index("handle_preemptions") < asynchronous.index("forward")
-    assert world_order() == asynchronous  # every load in the world is asynchronous (LOOKUP)
+    assert world_order(sync=False) == asynchronous and world_order(sync=True) == synchronous
 
 
 class FlushesAfterTheForward(KVOffloadConnector):

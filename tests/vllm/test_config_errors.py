@@ -72,7 +72,7 @@ def test_good_values_are_read(model):
     (dict(verify=1), "verify=1: expected a bool"),
     (dict(tier_size=1), "unknown kv_connector_extra_config keys ['tier_size']; known: "
                         "['offers_remembered', 'offload_block_size', 'policy', 'shared_tier', 'store_prompts_only', "
-                        "'store_threshold', 'tier_bytes', 'verify']"),
+                        "'store_threshold', 'sync_loads', 'tier_bytes', 'verify']"),
     (dict(store_threshold=0), "store_threshold=0: expected a positive int: offers of a block before the tier takes"),
     (dict(store_threshold="2"), "store_threshold='2': expected a positive int"),
     (dict(offers_remembered=-5), "offers_remembered=-5: expected a positive int: blocks whose offers are counted"),
@@ -115,6 +115,23 @@ def test_good_values_are_read(model):
 def test_bad_value_is_one_clear_error(model, extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         config_for(model, **extra)
+
+
+def test_sync_loads_are_read_with_the_engines_failure_policy_and_refused_where_vllm_mishandles_them(model):
+    """Synchronous loads only where a failed one cannot outlive its request in vLLM's prefix cache: the "fail"
+    policy (vLLM's default) and synchronous scheduling (findings 8 and 9 in docs/vllm-offloading-connector.md)."""
+    fail = dict(kv_load_failure_policy="fail")
+    config = config_from_vllm(*make_configs(model, 32, CONNECTOR, MODULE, {"sync_loads": True}, **fail))
+    assert config.sync_loads and config.load_failure_policy == "fail" and not config.async_scheduling
+    assert config_for(model).load_failure_policy == "recompute"  # the harness's, as an operator sets it
+    with pytest.raises(ConfigError, match="sync_loads needs load_failure_policy 'fail', no async scheduling"):
+        config_for(model, sync_loads=True)
+    vllm_config, kv_cache_config = make_configs(model, 32, CONNECTOR, MODULE, {"sync_loads": True}, **fail)
+    vllm_config.scheduler_config.async_scheduling = True  # what vLLM turns on by default on GPUs
+    with pytest.raises(ConfigError, match="no async scheduling"):
+        config_from_vllm(vllm_config, kv_cache_config)
+    with pytest.raises(ConfigError, match=re.escape("sync_loads='yes': expected a bool")):
+        config_for(model, sync_loads="yes")
 
 
 def test_a_shared_tier_entry_is_read(model):

@@ -30,7 +30,7 @@ def model(tmp_path_factory) -> Path:
 def start_engine(model: Path, connector: str = "", gpu_blocks: int = 48, rounds: int = 2,
                  reset_connector: bool = False, max_file_bytes: int = 0, kv_events: bool = False,
                  environ: dict[str, str] | None = None, kill_between_rounds: int = 0,
-                 **extra) -> subprocess.CompletedProcess[str]:
+                 load_failure_policy: str = "recompute", **extra) -> subprocess.CompletedProcess[str]:
     """tests/vllm/run_engine.py in a process of its own (``environ`` added to its environment), to its end;
     ``kill_between_rounds``: the pid of a process it kills after the first round."""
     cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_engine.py"), "--model", str(model),
@@ -38,7 +38,8 @@ def start_engine(model: Path, connector: str = "", gpu_blocks: int = 48, rounds:
            "--rounds", str(rounds), *(["--reset-connector"] if reset_connector else []),
            *(["--max-file-bytes", str(max_file_bytes)] if max_file_bytes else []),
            *(["--kv-events"] if kv_events else []),
-           *(["--kill-between-rounds", str(kill_between_rounds)] if kill_between_rounds else [])]
+           *(["--kill-between-rounds", str(kill_between_rounds)] if kill_between_rounds else []),
+           "--load-failure-policy", load_failure_policy]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**ENV, **(environ or {})})
 
 
@@ -74,6 +75,21 @@ def test_failing_transfers_still_identical(model, expected):
     run = run_engine(model, "tests.vllm.connectors:FailingTransfersConnector", tier_bytes=32 << 20)
     assert run["outputs"] == expected
     assert run["stats"]["failed_stores"] + run["stats"]["failed_loads"] > 0
+
+
+def test_synchronous_loads_under_the_fail_policy_identical_and_a_failed_one_is_an_error(model, expected):
+    """Hits load in the step that computes the rest of the prompt (vLLM's CPU build schedules synchronously). Where
+    every other copy fails, a request whose load failed ends with an error (vLLM's "fail" policy: no tokens), and
+    every other request's output is vLLM's: none computed from a failed load's blocks."""
+    run = run_engine(model, CONNECTOR, load_failure_policy="fail", tier_bytes=32 << 20, offload_block_size=32,
+                     sync_loads=True)
+    assert run["outputs"] == expected
+    assert 0 < run["stats"]["sync_loaded_blocks"] == run["stats"]["loaded_blocks"]
+    flaky = run_engine(model, "tests.vllm.connectors:FailingTransfersConnector", load_failure_policy="fail",
+                       tier_bytes=32 << 20, sync_loads=True)
+    failed = [i for i, (output, want) in enumerate(zip(flaky["outputs"], expected)) if output != want]
+    assert failed and all(flaky["outputs"][i] == [] for i in failed), failed
+    assert flaky["stats"]["failed_loads"] > 0 and flaky["stats"]["sync_loaded_blocks"] > 0
 
 
 def test_kv_events_carry_medium_cpu(model):

@@ -1,5 +1,5 @@
-"""What vLLM does with a synchronous load, read from its real ``Scheduler`` (what a world that models sync loads must
-do, and why our connector does not use them yet).
+"""What vLLM does with a load that fails, synchronous or not, under each failure policy, read from its real
+``Scheduler`` and ``AsyncScheduler``: what the world does (``spec/world.py``), and where it refuses synchronous loads.
 
 A connector answers ``get_num_new_matched_tokens`` with ``(tokens, False)``: the request is scheduled in the same
 step, computed from the end of the hit, and the step is marked ``has_sync_kv_loads`` (the worker then starts loads
@@ -193,3 +193,25 @@ def test_the_world_does_the_same_with_a_load_that_fails(policy):
     world.run_to_completion()
     assert world.stats["failed_requests"] == (policy == "fail")
     assert request.state is (State.FAILED if policy == "fail" else State.FINISHED)
+
+
+def test_under_async_scheduling_a_failed_sync_load_outlives_its_aborted_request_in_the_prefix_cache(model):
+    """Why the world refuses synchronous hits under async scheduling (LOOKUP), "fail" policy or not. There the
+    engine takes a client's abort after scheduling a step and before that step's output arrives. A request whose
+    synchronous load failed, aborted in between, is neither running nor waiting for a load when the output names its
+    invalid blocks: vLLM fails no request, so it evicts nothing, and the next request with the prompt reads the
+    invalid blocks from the prefix cache, without an error."""
+    init_none_hash(sha256)
+    scheduler = make_scheduler(model, 64, "SyncHits", __name__, {}, kv_load_failure_policy="fail",
+                               async_scheduling=True)
+    scheduler.add_request(Request("first", PROMPT, SamplingParams(max_tokens=4), None,
+                                  block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256)))
+    so = scheduler.schedule()
+    assert so.has_sync_kv_loads
+    (blocks,) = scheduler.kv_cache_manager.get_block_ids("first")
+    scheduler.finish_requests("first", RequestStatus.FINISHED_ABORTED)  # the client's abort, while the step runs
+    scheduler.update_from_output(so, output(so, invalid={blocks[1]}))
+    scheduler.add_request(Request("second", PROMPT, SamplingParams(max_tokens=4), None,
+                                  block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256)))
+    (hit,) = scheduler.schedule().scheduled_new_reqs
+    assert hit.num_computed_tokens == 5 * BLOCK_SIZE and blocks[1] in hit.block_ids[0]  # served, invalid

@@ -126,7 +126,8 @@ class Release:
             total_num_scheduled_tokens=sum(s.num_scheduled_tokens for s in out.scheduled),
             scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, num_common_prefix_blocks=[0],
             finished_req_ids=set(out.finished_req_ids), free_encoder_mm_hashes=[],
-            preempted_req_ids=set(out.preempted_req_ids), kv_connector_block_state=self.block_state(out, resolve))
+            preempted_req_ids=set(out.preempted_req_ids), kv_connector_block_state=self.block_state(out, resolve),
+            has_sync_kv_loads=out.has_sync_loads)
 
     @staticmethod
     def block_state(out: SchedulerOutput, resolve: Callable[[str], tuple[list[int], ...]]) -> KVConnectorBlockState:
