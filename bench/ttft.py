@@ -66,14 +66,16 @@ def main(argv: list[str] | None = None) -> int:
                 runs |= run_ways((way,), model, args.lengths, args.docs, shared)
     ttft = medians(runs)
     print(f"\n{'tokens':>7} {'recompute':>10} {'gpu hit':>8} {'cpu tier':>9} {'sync':>8} {'shared':>8} "
-          f"{'storing':>8} {'putting':>8}   {'tier/recomp':>11} {'tier/gpu':>8} {'sync/gpu':>8} {'shared/recomp':>13}"
+          f"{'storing':>8} {'putting':>8}   {'tier/recomp':>11} {'tier/gpu':>8} {'sync/gpu':>8} {'sync/tier':>9} "
+          f"{'shared/recomp':>13}"
           f"   (ms, medians of {args.docs})")
     for n in args.lengths:
         row = [ttft[f"{kind}/{n}"] for kind in ("recompute", "gpu_hit", "cpu_tier", "cpu_tier_sync", "shared_tier",
                                                 "recompute_storing", "recompute_putting")]
         print(f"{n:>7} " + " ".join(f"{s * 1e3:>{w}.1f}" for s, w in zip(row, (10, 8, 9, 8, 8, 8, 8)))
               + f"   {paired(runs, 'cpu_tier', 'recompute', n):>11.3f} {paired(runs, 'cpu_tier', 'gpu_hit', n):>8.2f}"
-              f" {paired(runs, 'cpu_tier_sync', 'gpu_hit', n):>8.2f} {row[4] / row[0]:>13.3f}")
+              f" {paired(runs, 'cpu_tier_sync', 'gpu_hit', n):>8.2f}"
+              f" {paired(runs, 'cpu_tier_sync', 'cpu_tier', n):>9.2f} {row[4] / row[0]:>13.3f}")
     wrong, resets = mismatches(runs), runs["tier"]["reset_steps"]
     print(f"\nfirst tokens identical to recompute: {'yes' if not wrong else 'NO: ' + '; '.join(wrong)}")
     print(f"prefix-cache resets: {len(resets)}, each confirmed by vLLM after {min(resets)}-{max(resets)} extra "
