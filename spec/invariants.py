@@ -202,8 +202,8 @@ def content(world: World) -> None:
     outlived a weight update all surface here as wrong bytes.
     """
     for req in world.requests.values():
-        if world.invalid.intersection(req.blocks):  # it reads a block a synchronous load failed to fill: it fails
-            continue
+        if world.invalid and world.invalid.intersection(req.blocks):  # it reads a block a synchronous load failed
+            continue  # to fill: the engine fails it
         for g, (table, size) in enumerate(zip(req.tables, world.block_sizes)):
             for i in range(req.num_final_tokens // size):
                 if table[i] == NULL_BLOCK:  # a sliding window's block that no position reads any more

@@ -667,7 +667,7 @@ class World:
         bs = self.config.block_size
         hashes = req.content_hashes[:len(req.tokens) // bs]
         extend_block_hashes(inputs, bs, hashes)  # blocks holding drafts get the hash of what was really input
-        req.read_invalid |= bool(self.invalid.intersection(req.blocks))
+        req.read_invalid |= bool(self.invalid) and bool(self.invalid.intersection(req.blocks))
 
         def content(g: int, upto: int) -> int:  # what a block holds once computed up to token ``upto``
             if req.read_invalid:
@@ -816,7 +816,8 @@ class World:
     def _apply_worker_output(self, output: WorkerOutput, load_errors: set[int]) -> None:
         # a loading request's invalid blocks (another worker may finish its load later); vLLM reads the others in
         # no request's table, and so does the world
-        self.bad_blocks |= load_errors & {b for r in self.waiting if r.loading() for b in r.blocks}
+        if load_errors:
+            self.bad_blocks |= load_errors & {b for r in self.waiting if r.loading() for b in r.blocks}
         for req_id in sorted(output.finished_sending):  # sorted: set order must not steer block reuse
             self._unhold(req_id, "sending")
         for req_id in sorted(output.finished_recving):

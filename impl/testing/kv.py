@@ -27,10 +27,19 @@ class LayeredKV:
         self.layout = "kv_first" if shape == "kv_first" else "blocks_first"
         self.caches = {f"layer.{i}": torch.zeros(dims, dtype=dtype, device=device) for i in range(count)}
         self.views = block_views(self.caches, self.layout)
+        # content's bytes, by (content, width, device): the world checks every live block every step, and building
+        # them took a third of a kit run
+        self._patterns: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
     def _bytes(self, content: int, width: int, device: torch.device) -> torch.Tensor:
-        lanes = torch.arange(width, dtype=torch.int64, device=device)
-        return ((lanes * 0x9E3779B1 + content) >> (lanes % 7 * 8) & 0xFF).to(torch.uint8)
+        pattern = self._patterns.get((content, width, device))
+        if pattern is None:
+            if len(self._patterns) >= 1 << 16:
+                self._patterns.clear()
+            lanes = torch.arange(width, dtype=torch.int64, device=device)
+            pattern = ((lanes * 0x9E3779B1 + content) >> (lanes % 7 * 8) & 0xFF).to(torch.uint8)
+            self._patterns[content, width, device] = pattern
+        return pattern
 
     def write(self, block_id: int, content: int) -> None:
         for view in self.views:

@@ -81,15 +81,13 @@ def test_synchronous_loads_under_the_fail_policy_identical_and_a_failed_one_is_a
     """Hits load in the step that computes the rest of the prompt (vLLM's CPU build schedules synchronously). Where
     every other copy fails, a request whose load failed ends with an error (vLLM's "fail" policy: no tokens), and
     every other request's output is vLLM's: none computed from a failed load's blocks."""
-    run = run_engine(model, CONNECTOR, load_failure_policy="fail", tier_bytes=32 << 20, offload_block_size=32,
-                     sync_loads=True)
-    assert run["outputs"] == expected
-    assert 0 < run["stats"]["sync_loaded_blocks"] == run["stats"]["loaded_blocks"]
     flaky = run_engine(model, "tests.vllm.connectors:FailingTransfersConnector", load_failure_policy="fail",
                        tier_bytes=32 << 20, sync_loads=True)
     failed = [i for i, (output, want) in enumerate(zip(flaky["outputs"], expected)) if output != want]
     assert failed and all(flaky["outputs"][i] == [] for i in failed), failed
-    assert flaky["stats"]["failed_loads"] > 0 and flaky["stats"]["sync_loaded_blocks"] > 0
+    assert len(failed) < len(expected) // 2  # most requests ran: those with a hit that loaded too
+    assert flaky["stats"]["failed_loads"] > 0 and 0 < flaky["stats"]["sync_loaded_blocks"] == flaky["stats"][
+        "loaded_blocks"]  # every load synchronous
 
 
 def test_kv_events_carry_medium_cpu(model):
