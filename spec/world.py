@@ -751,7 +751,7 @@ class World:
     def _deliver(self, output: StepOutput) -> None:
         for req, n in output.scheduled:
             req.num_in_flight_tokens -= n
-        if self.config.load_failure_policy == "fail":
+        if self.config.load_failure_policy == "fail" and (output.workers.failed_recving or output.load_errors):
             self._fail_loads(output.workers.failed_recving, output.load_errors)
         self.connector.update_connector_output(output.workers)
         self._count_reports(output.workers.job_results)

@@ -483,3 +483,20 @@ def test_a_speculative_block_moved_to_the_end_of_a_state_table_is_not_stored_whe
     state.invariants_hold()
     state.teardown()
     assert state.subject.stats["blocks_stored"]
+
+
+def test_a_synchronous_hit_after_a_local_one_computes_from_the_end_of_both():
+    """Found by the first synchronous-load scenario while the world's admission was rewritten for it: a loop
+    variable shadowed the hit's end, and a request that hit the GPU prefix cache and then the tier was scheduled
+    from token 0 instead of from the end of both hits (CONTENT: it read blocks it then rewrote)."""
+    config = Config(num_gpu_blocks=16, tier_blocks=8, token_budget=16, load_failure_policy="fail", sync_loads=True)
+    world = World(config, SpecConnector(config), ListKV(16), Executor(0))
+    world.add_request(list(range(9)), max_tokens=1)  # stores blocks 0-3
+    world.run_to_completion()
+    world.reset_prefix_cache()
+    world.add_request(list(range(5)), max_tokens=1)  # recomputes blocks 0-1: the GPU prefix cache holds them again
+    world.run_to_completion()
+    req = world.add_request(list(range(9)), max_tokens=1)
+    (scheduled,) = world.step().scheduled
+    assert scheduled.num_computed_tokens == 8 and world.stats["sync_loads"] == 2
+    assert world.stats["engine_hit_blocks"] >= 2 and req.num_final_tokens >= 8
