@@ -1,6 +1,6 @@
 """Real vLLM engines, each a separate process, on one shared-tier directory: what one engine computed serves the
 next one, across restarts; a reset, a damaged record, a directory that refuses writes, a writer killed mid-write and
-a Mooncake pool's dead store node never serve wrong KV, and outputs always equal recompute. (Engines of other
+a Mooncake pool's dead store node or full pool never serve wrong KV, and outputs always equal recompute. (Engines of other
 weights never seeing it: tests/vllm/test_identity.py.)"""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,7 @@ import prometheus_client  # noqa: E402
 
 from kvoffload.impl.testing.demo import build_tiny_llama  # noqa: E402
 
+from ..conftest import needs_mooncake  # noqa: E402
 from .test_engine import CONNECTOR, ENV, ROOT, run_engine  # noqa: E402
 from .test_metrics import prometheus_metrics  # noqa: E402
 
@@ -113,6 +115,43 @@ def test_a_killed_mooncake_store_node_then_master_cost_recomputes_never_a_wrong_
     assert second["stats"]["shared_got_blocks"] == 0 and second["stats"]["shared_quarantined"] == 0
     assert second["stats"]["shared_errors"] > 0 and second["stats"]["shared_dropped"] > 0, second["stats"]
     assert second["stats"]["hit_tokens"] > 0 and second["drain_seconds"] < 1
+
+
+def fill(pool) -> tuple[Any, list[str]]:
+    """Another tenant of the pool puts 1 MiB objects until the pool refuses one (NO_AVAILABLE_HANDLE): then it is
+    full, and its master evicts the least recently used objects to make room for the next puts. Its client, and the
+    names it put."""
+    from kvoffload.impl.tiers.mooncake import MooncakeSettings, client
+
+    store = client(MooncakeSettings(master=pool.address, metadata=pool.metadata, buffer_bytes=16 << 20))
+    names: list[str] = []
+    while store.put(f"other-tenant/{len(names)}", bytes(1 << 20)) == 0:
+        names.append(f"other-tenant/{len(names)}")
+    return store, names
+
+
+def test_a_full_mooncake_pool_takes_an_engines_records_by_evicting_old_objects_and_serves_them(model, expected):
+    """A 16 MiB pool that another tenant filled. An engine's puts evict that tenant's least recently used objects
+    (a put the pool refuses meanwhile is dropped, counted); a second engine loads what the first stored. Every put
+    is stored or dropped, nothing is quarantined, and both engines' outputs are vLLM's."""
+    needs_mooncake()
+    from kvoffload.impl.testing.mooncake_master import MooncakeMaster
+
+    with MooncakeMaster(node_bytes=16 << 20) as pool:  # Mooncake's smallest segment
+        shared, timeout = pool.settings(), {"MC_RPC_TIMEOUT_MS": "300"}
+        tenant, names = fill(pool)
+        first = run_engine(model, CONNECTOR, rounds=1, **ONE_ROUND, shared_tier=shared, environ=timeout)
+        second = run_engine(model, CONNECTOR, rounds=1, **ONE_ROUND, shared_tier=shared, environ=timeout)
+        evicted = tenant.batch_is_exist(names).count(0)
+    assert len(names) >= 12 and evicted > 0, (len(names), evicted)
+    assert first["outputs"] == expected and second["outputs"] == expected
+    stats = first["stats"]
+    assert stats["shared_put_blocks"] > 0 and stats["shared_backpressure_drops"] == 0
+    assert stats["shared_stored"] + stats["shared_dropped"] == stats["shared_put_blocks"], stats
+    assert stats["shared_stored"] > 0 and stats["shared_quarantined"] == second["stats"]["shared_quarantined"] == 0
+    assert second["stats"]["shared_got_blocks"] > 0 and second["stats"]["hit_tokens"] > 0, second["stats"]
+    print(f"the tenant's {len(names)} objects, {evicted} evicted; the first engine stored {stats['shared_stored']} "
+          f"of {stats['shared_put_blocks']}, the second got {second['stats']['shared_got_blocks']}")
 
 
 def test_a_writer_killed_mid_write_leaves_nothing_that_is_ever_served(model, expected, tmp_path):
