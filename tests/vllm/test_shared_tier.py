@@ -1,7 +1,7 @@
 """Real vLLM engines, each a separate process, on one shared-tier directory: what one engine computed serves the
 next one, across restarts; a reset, a damaged record, a directory that refuses writes, a writer killed mid-write and
-a Mooncake pool's dead store node or full pool never serve wrong KV, and outputs always equal recompute. (Engines of other
-weights never seeing it: tests/vllm/test_identity.py.)"""
+a Mooncake pool's dead store node or full pool never serve wrong KV, and outputs always equal recompute. (Engines of
+other weights never seeing it: tests/vllm/test_identity.py.)"""
 
 from __future__ import annotations
 
