@@ -99,9 +99,10 @@ def test_a_disk_that_refuses_writes_drops_them_with_a_reason_and_the_engine_keep
 
 
 def test_a_killed_mooncake_store_node_then_master_cost_recomputes_never_a_wrong_token(model, expected, mooncake_pool):
-    """The store node that holds a Mooncake pool's memory dies between two engines. The second engine's master still
-    names every record the first put, but each read fails (TRANSFER_FAIL) and each write placed in the dead node's
-    memory too: every block is recomputed, the outputs are vLLM's, and the errors and dropped writes are counted.
+    """The store node that holds a Mooncake pool's memory dies between two engines. Each of the second engine's reads
+    fails (TRANSFER_FAIL: the master still names the record) or misses (the master has dropped the dead node's
+    objects), and each write is dropped: every block is recomputed, the outputs are vLLM's, and the errors, misses
+    and dropped writes are counted.
     Then the master dies after the second engine's first round: the engine serves its second round from its own
     tier, and its last transfers end at once."""
     shared, timeout = mooncake_pool.settings(), {"MC_RPC_TIMEOUT_MS": "300"}
@@ -113,7 +114,10 @@ def test_a_killed_mooncake_store_node_then_master_cost_recomputes_never_a_wrong_
                         kill_between_rounds=mooncake_pool.process.pid)
     assert second["outputs"] == expected * 2
     assert second["stats"]["shared_got_blocks"] == 0 and second["stats"]["shared_quarantined"] == 0
-    assert second["stats"]["shared_errors"] > 0 and second["stats"]["shared_dropped"] > 0, second["stats"]
+    shared_stats = {name: n for name, n in second["stats"].items() if name.startswith("shared_")}
+    # each read fails (an error), or misses once the master has dropped the dead node and its objects
+    assert shared_stats["shared_errors"] + shared_stats["shared_misses"] > 0, shared_stats
+    assert shared_stats["shared_dropped"] > 0, shared_stats
     assert second["stats"]["hit_tokens"] > 0 and second["drain_seconds"] < 1
 
 
