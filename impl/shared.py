@@ -80,6 +80,15 @@ def _staging(nbytes: int) -> torch.Tensor:
     return buffer[:nbytes]
 
 
+def _staged(store: SharedTier, keys: list[Key], width: int) -> torch.Tensor:
+    """``[keys, width]`` bytes to stage one put's or get's payloads in: where the store asks for them
+    (``MooncakeTier.staging``: its registered memory, each record then moving as one piece), else this thread's
+    staging buffer."""
+    staging = getattr(store, "staging", None)
+    frames = staging(keys, width) if staging is not None else None
+    return torch.from_numpy(frames) if frames is not None else _staging(len(keys) * width).view(len(keys), width)
+
+
 def _spans(pool: HostPool, records: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each region, as words (``as_words``: index kernels move bytes one at a time), with its span of every record:
     ``[records, k * width]`` bytes (a record's payload is its ``k`` rows, region after region)."""
@@ -99,7 +108,7 @@ def record_copy(kind: str, store: SharedTier, pool: HostPool, keys: list[Key], r
     index, n = torch.tensor(rows), len(keys)
     if kind == "put":
         def put() -> bool:  # False if the store dropped a record (counted there): it is not in the store
-            staged = _staging(n * k * pool.row_bytes).view(n, k * pool.row_bytes)
+            staged = _staged(store, keys, k * pool.row_bytes)
             for words, span in _spans(pool, staged, k):
                 span.copy_(words[index].view(torch.uint8).view(n, span.shape[1]))
             outcomes = store.put([(key, payload.numpy().data) for key, payload in zip(keys, staged)])
@@ -107,7 +116,7 @@ def record_copy(kind: str, store: SharedTier, pool: HostPool, keys: list[Key], r
         return put
 
     def get() -> bool:
-        landing = _staging(n * k * pool.row_bytes).view(n, k * pool.row_bytes)
+        landing = _staged(store, keys, k * pool.row_bytes)
         if not all(store.get(keys, [t.numpy().data for t in landing])):
             return False
         for words, span in _spans(pool, landing, k):

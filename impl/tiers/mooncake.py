@@ -9,10 +9,13 @@ what a record is and what a reader checks)::
 changes nothing, so the first writer wins. A put asks first which of its records are there, and sends only the
 others. Objects become visible only once whole (Mooncake's put is a start, the copies, and an end).
 
-**No copy of a payload.** A put sends each header from this thread's buffer and each payload from where it lies;
-a get lands each header in that buffer and each payload straight in the tier's row, exactly our config's record
-size (the pool refuses an object of another size: then its size is asked, and a wrong one is damaged), and checks
-the record before the tier serves it.
+**No copy of a payload, one piece per record.** The engine stages a put's or a get's payloads in this thread's
+registered memory (``staging``), each with room for its header just before it: a put writes the header there and
+sends the record as one piece, a get lands it whole and checks it in place (a second piece per record cost the
+transfer engine as much as a 256 KiB memcpy). A payload that lies elsewhere moves from or into where it lies, its
+header through this thread's header buffer. A get takes exactly our config's record size (the pool refuses an
+object of another size: then its size is asked, and a wrong one is damaged), and checks the record before the tier
+serves it.
 
 **Capacity** is the pool's: the memory its store nodes lend it (``mooncake_client --global_segment_size``), and
 ``segment_bytes`` of each engine's, if it lends any (records there leave the pool with the engine). The master
@@ -49,6 +52,7 @@ from attrs import frozen
 
 from kvoffload.spec.records import Bytes, Namespace, RecordError, RecordKey, check_record, encode_key, header_size, seal
 
+from ..shared import STAGING_KEPT
 from .answers import FutureAnswer
 from .fs import TierError
 
@@ -61,6 +65,7 @@ ERRORS = {-704: "missing", -706: "leased", -600: "too_large", -900: "rpc", -901:
 UNREACHED = (-900, -901)  # the master could not be reached, or did not answer in time
 DOWN = -1_000_000  # ours: not called, the pool counts as down
 ERRORS[DOWN] = "down"
+FRAME_ALIGN = 64  # bytes: each staged header's room and payload start at a multiple of it
 
 
 @frozen
@@ -126,9 +131,19 @@ class _Buffer:
         self.view = memoryview(self.bytes)
         self.address = ctypes.addressof((ctypes.c_char * len(self.bytes)).from_buffer(self.bytes))
         store.register_buffer(self.address, len(self.bytes))
+        self.room = self.stride = self.frames = 0  # the frames of the last ``staging`` in it
 
     def release(self) -> None:
         self.store.unregister_buffer(self.address)
+
+    def framed(self, address: int, head: int) -> bool:
+        """Whether ``address`` is a payload's place in this buffer's last staging, with room for ``head`` bytes of
+        header before it."""
+        offset = address - self.address - self.room
+        return head <= self.room and 0 <= offset < self.frames * self.stride and offset % self.stride == 0
+
+
+_Pieces = tuple[memoryview, list[int], list[int]]  # one record's header place, and the pieces the pool moves
 
 
 class MooncakeTier:
@@ -175,13 +190,30 @@ class MooncakeTier:
                 self._trying = False
                 self._down_until = time.monotonic() + self.settings.retry_after if unreached else None
 
-    def _buffer(self, size: int) -> _Buffer:
-        buffer: _Buffer | None = getattr(self._buffers, "buffer", None)
+    def _buffer(self, size: int, kind: str = "heads") -> _Buffer:
+        """This thread's buffer of ``kind``: "heads" (the headers of payloads that lie elsewhere) or "frames"
+        (``staging``)."""
+        buffer: _Buffer | None = getattr(self._buffers, kind, None)
         if buffer is None or len(buffer.bytes) < size:
             if buffer is not None:
                 buffer.release()
-            buffer = self._buffers.buffer = _Buffer(self.store, size)
+            buffer = _Buffer(self.store, size)
+            setattr(self._buffers, kind, buffer)
         return buffer
+
+    def staging(self, keys: Sequence[RecordKey], payload_len: int) -> numpy.ndarray | None:
+        """Where the engine stages the payloads of one put or get of ``keys`` on this thread: ``[keys, payload_len]``
+        bytes in registered memory, each row with room for its key's header before it, so that each record moves as
+        one piece. Valid until this thread's next staging. None past ``STAGING_KEPT`` bytes of payload (stage
+        elsewhere)."""
+        if len(keys) * payload_len > STAGING_KEPT:
+            return None
+        room = -(-max(map(header_size, keys)) // FRAME_ALIGN) * FRAME_ALIGN
+        stride = room + -(-payload_len // FRAME_ALIGN) * FRAME_ALIGN  # rows start aligned: the copies move words
+        buffer = self._buffer(len(keys) * stride, "frames")
+        buffer.room, buffer.stride, buffer.frames = room, stride, len(keys)
+        rows = numpy.frombuffer(buffer.bytes, dtype=numpy.uint8)[room:]
+        return numpy.lib.stride_tricks.as_strided(rows, (len(keys), payload_len), (stride, 1))
 
     def _attach(self) -> None:
         """The namespace's manifest: put by the first engine, compared by every other. A pool that cannot answer
@@ -213,20 +245,39 @@ class MooncakeTier:
         return FutureAnswer(self._asks.submit(self.exists, list(keys)))
 
     def get(self, keys: Sequence[RecordKey], into: Sequence[memoryview]) -> list[bool]:
-        """Each record straight where it goes: its header into this thread's buffer, its payload into ``into``
-        (the pool refuses an object of another size), then checked."""
+        """Each record straight where it goes, its payload into ``into`` (in one piece with its header where the
+        engine staged it here), then checked; the pool refuses an object larger than our record."""
         self._remove_condemned()
-        heads = [header_size(key) for key in keys]
-        buffer = self._buffer(sum(heads))
-        offsets = [sum(heads[:i]) for i in range(len(keys))]
         names = list(map(self.name, keys))
         rows = [memoryview(target).cast("B")[:self.payload_len] for target in into]
         arrays = [numpy.frombuffer(row, dtype=numpy.uint8) for row in rows]  # held until the call returns
-        codes = self._call(self.store.batch_get_into_multi_buffers,
-                           names, [[buffer.address + at, array.ctypes.data] for at, array in zip(offsets, arrays)],
-                           [[head, self.payload_len] for head in heads])
-        return [self._take(key, name, code, buffer.view[at:at + head], row)
-                for key, name, code, at, head, row in zip(keys, names, codes, offsets, heads, rows)]
+        pieces = self._pieces(list(map(header_size, keys)), arrays)
+        codes = self._call(self.store.batch_get_into_multi_buffers, names, [p[1] for p in pieces],
+                           [p[2] for p in pieces])
+        return [self._take(key, name, code, header, row)
+                for key, name, code, (header, _, _), row in zip(keys, names, codes, pieces, rows)]
+
+    def _pieces(self, heads: list[int], payloads: Sequence[numpy.ndarray]) -> list[_Pieces]:
+        """Where each record moves from or to: one piece, its header's room and its payload, for a payload staged in
+        this thread's frames; else its header in this thread's header buffer, then its payload where it lies."""
+        frames: _Buffer | None = getattr(self._buffers, "frames", None)
+        loose = 0  # header bytes of payloads that lie elsewhere
+        pieces: list[Any] = []  # (a loose header's size, until it has a place)
+        for head, payload in zip(heads, payloads):
+            address = payload.ctypes.data
+            if frames is not None and frames.framed(address, head):
+                start = address - head - frames.address
+                pieces.append((frames.view[start:start + head], [address - head], [head + payload.nbytes]))
+            else:
+                pieces.append((head, [address], [payload.nbytes]))
+                loose += head
+        if loose:  # each header before its payload, as two pieces
+            buffer, at = self._buffer(loose), 0
+            for i, (head, pointers, sizes) in enumerate(pieces):
+                if isinstance(head, int):
+                    pieces[i] = (buffer.view[at:at + head], [buffer.address + at, *pointers], [head, *sizes])
+                    at += head
+        return pieces
 
     def _take(self, key: RecordKey, name: str, code: int, header: memoryview, payload: memoryview) -> bool:
         if name in self._condemned:  # read before the pool let us remove it: refused again, counted once
@@ -279,16 +330,14 @@ class MooncakeTier:
         outcomes = ["present" if code == 1 else f"dropped:{self._error(code)}" if code < 0 else ""
                     for code in present]
         todo = [i for i, outcome in enumerate(outcomes) if not outcome]
-        if todo:  # each header from this thread's buffer, each payload from where it lies
-            pieces = [seal(self.namespace, *records[i]) for i in todo]
-            buffer, at, pointers, sizes = self._buffer(sum(len(header) for header, _ in pieces)), 0, [], []
-            arrays = [numpy.frombuffer(payload, dtype=numpy.uint8) for _, payload in pieces]  # held until it returns
-            for (header, _), array in zip(pieces, arrays):
-                buffer.view[at:at + len(header)] = header
-                pointers.append([buffer.address + at, array.ctypes.data])
-                sizes.append([len(header), array.nbytes])
-                at += len(header)
-            codes = self._call(self.store.batch_put_from_multi_buffers, [names[i] for i in todo], pointers, sizes)
+        if todo:
+            sealed = [seal(self.namespace, *records[i]) for i in todo]
+            arrays = [numpy.frombuffer(payload, dtype=numpy.uint8) for _, payload in sealed]  # held until it returns
+            pieces = self._pieces([len(header) for header, _ in sealed], arrays)
+            for (place, _, _), (header, _) in zip(pieces, sealed):
+                place[:] = header
+            codes = self._call(self.store.batch_put_from_multi_buffers, [names[i] for i in todo],
+                               [p[1] for p in pieces], [p[2] for p in pieces])
             for i, code in zip(todo, codes):
                 outcomes[i] = "stored" if code == 0 else f"dropped:{self._error(code)}"
         with self._lock:

@@ -6,11 +6,16 @@ byte and never a wait past the timeout; so does a killed store node, and a full 
 import os
 import time
 
+import numpy
 import pytest
+import torch
 
 from kvoffload.impl.testing import mooncake_master
 from kvoffload.impl.testing.mooncake_master import MooncakeMaster
+from kvoffload.impl.shared import STAGING_KEPT, record_copy
 from kvoffload.impl.tiers import TierError
+from kvoffload.impl.transfer import HostPool
+from kvoffload.spec.records import seal
 
 from ..conftest import needs_mooncake
 from .test_fs_tier import KEY, NS, OTHER_NAMESPACES, PAYLOAD, frozen_store_costs_its_timeout, payload, read, wait
@@ -74,6 +79,54 @@ def test_one_batch_reads_hits_misses_and_damaged_objects_each_for_itself(master)
     assert bytes(buffers[0]) == payload(1) and bytes(buffers[-1]) == payload(9)
     assert engine.counters["misses"] == 1
     assert engine.counters["quarantined_length"] == 1 and engine.counters["quarantined_short"] == 1
+
+
+def test_records_staged_where_the_tier_asks_move_whole_and_are_checked_in_place(master):
+    """Payloads staged in the tier's own memory (``staging``, as the engine's I/O threads stage them) are put and got
+    each as one piece, its header in the room before it: the pool holds the very record a put from elsewhere makes,
+    a reader reads it either way, a damaged one is refused in place, and a payload elsewhere in the same batch goes
+    as before."""
+    writer, reader = tier(master), tier(master)
+    keys = [KEY, 5]
+    rows = writer.staging(keys, PAYLOAD)
+    for row, seed in zip(rows, (1, 2)):
+        row[:] = numpy.frombuffer(payload(seed), dtype=numpy.uint8)
+    assert writer.put([(key, row.data) for key, row in zip(keys, rows)] + [(7, payload(7))]) == ["stored"] * 3
+    store = client(settings(master))
+    for key, seed in ((KEY, 1), (5, 2), (7, 7)):
+        assert store.get(writer.name(key)) == b"".join(seal(NS, key, payload(seed)))
+    assert read(reader) == payload(1) and read(reader, 7) == payload(7)
+    overwrite(master, writer.name(5), b"".join(seal(NS, 5, payload(3)))[:-1] + b"!")
+    store.put(writer.name(6), b"".join(seal(NS, 6, payload(6)))[:-1])
+    keys, elsewhere = [7, KEY, 5, 6], bytearray(PAYLOAD)
+    landing = reader.staging(keys[1:], PAYLOAD)
+    assert reader.get(keys, [memoryview(elsewhere)] + [row.data for row in landing]) == [True, True, False, False]
+    assert bytes(elsewhere) == payload(7) and landing[0].tobytes() == payload(1)
+    assert reader.counters["quarantined_checksum"] == reader.counters["quarantined_short"] == 1
+    assert writer.staging([KEY] * 2, STAGING_KEPT // 2 + 1) is None  # too big to keep: the engine stages it elsewhere
+
+
+@pytest.mark.parametrize("staging", ["the tier's", "the thread's own"])
+def test_an_engines_put_and_get_move_its_host_rows_exactly(master, staging):
+    """The I/O threads' copies (``record_copy``) between a host pool's rows and records, staged in the tier's frames
+    or, where the tier has none, in the thread's own buffer: three regions, two rows a record. Each object is the
+    record of its rows, region after region, and a get lands them in other rows unchanged."""
+    views = [torch.empty(1, width, dtype=torch.uint8) for width in (96, 40, 128)]
+    pool, k, keys = HostPool(views, 8), 2, [KEY, 5]
+    pool.buffer.copy_(torch.arange(pool.buffer.numel()) * 7 % 251)
+    writer, reader = (MooncakeTier(settings(master), NS, k * pool.row_bytes) for _ in range(2))
+    if staging == "the thread's own":
+        writer.staging = reader.staging = lambda keys, payload_len: None
+    assert record_copy("put", writer, pool, keys, [6, 0, 3, 1], k)()
+    store = client(settings(master))
+    for key, rows in ((KEY, [6, 0]), (5, [3, 1])):
+        payload = b"".join(bytes(region[row].tolist()) for region in pool.regions for row in rows)
+        assert store.get(writer.name(key)) == b"".join(seal(NS, key, payload))
+    assert record_copy("get", reader, pool, keys, [2, 7, 4, 5], k)()
+    in_one_piece = not hasattr(writer._buffers, "heads") and not hasattr(reader._buffers, "heads")
+    assert in_one_piece == (staging == "the tier's")  # no header went apart from its payload
+    for region in pool.regions:
+        assert torch.equal(region[[2, 7, 4, 5]], region[[6, 0, 3, 1]])
 
 
 def test_another_namespace_never_reads_a_record(master):
