@@ -20,7 +20,8 @@ serves it.
 **Capacity** is the pool's: the memory its store nodes lend it (``mooncake_client --global_segment_size``), and
 ``segment_bytes`` of each engine's, if it lends any (records there leave the pool with the engine). The master
 evicts the least recently used objects when the pool is full (``eviction_high_watermark_ratio``); a record read
-recently is leased (``default_kv_lease_ttl``): the pool keeps it that long.
+recently is leased (``default_kv_lease_ttl``): the pool keeps it that long. A get whose transfer outlasts that lease
+fails (``lease_expired``): the lease must be well above a batch's transfer time (5 s by default is).
 
 **Errors.** A timeout, a master that is down or frozen, a segment gone with its engine: each is a miss or a dropped
 write, counted by its kind, and deletes nothing. Every call is bounded by Mooncake's ``MC_RPC_TIMEOUT_MS``, which
@@ -60,8 +61,8 @@ PREFIX = "kvoffload"
 # Mooncake's error codes (mooncake-store's types.h) that the counters name; any other is counted by its number
 REACH_TIMEOUT = 2.0  # seconds the master and the metadata server may take to accept a connection at start-up
 logger = logging.getLogger("kvoffload.tiers.mooncake")
-ERRORS = {-704: "missing", -706: "leased", -600: "too_large", -900: "rpc", -901: "timeout", -10: "buffer",
-          -200: "pool_full", -800: "transfer", -703: "not_ready"}
+ERRORS = {-704: "missing", -706: "leased", -707: "lease_expired", -600: "too_large", -900: "rpc", -901: "timeout",
+          -10: "buffer", -200: "pool_full", -800: "transfer", -703: "not_ready"}
 UNREACHED = (-900, -901)  # the master could not be reached, or did not answer in time
 DOWN = -1_000_000  # ours: not called, the pool counts as down
 ERRORS[DOWN] = "down"

@@ -215,6 +215,17 @@ def test_a_full_pool_evicts_old_records_and_drops_writes_and_serves_nothing_wron
     print(f"{written.count('stored')} of {len(records)} stored, {sum(got is not None for got in read_back)} read back")
 
 
+def test_a_get_that_outlasts_its_lease_is_a_counted_error_never_a_record():
+    """The master leases what a get reads for ``default_kv_lease_ttl``, and fails a get whose transfer takes longer
+    (LEASE_EXPIRED): with a 1 ms lease, 16 records of 1 MiB are each an error counted by name, and none is served."""
+    size = 1 << 20
+    with MooncakeMaster(lease_ms=1) as short:
+        engine = MooncakeTier(settings(short), NS, size)
+        assert engine.put([(i, bytes([i]) * size) for i in range(16)]) == ["stored"] * 16
+        assert engine.get(list(range(16)), [memoryview(bytearray(size)) for _ in range(16)]) == [False] * 16
+    assert engine.counters["errors_lease_expired"] == 16 and engine.counters["hits"] == 0
+
+
 def test_a_frozen_master_costs_a_lookup_its_deadline_and_a_read_its_timeout_never_more(master):
     """Its first calls cost the timeout; the pool then counts as down, and a write fails at once."""
     frozen_store_costs_its_timeout(tier(master, retry_after=0.5), master, 1.5, "dropped:down", recover=0.5)
