@@ -142,6 +142,13 @@ def vllm_offloading(config):
     return vllm_offloading_past_known(config)
 
 
+def vllm_offloading_loading_synchronously(config):
+    """vLLM's OffloadingConnector in black-box mode with its synchronous loads on (vLLM 0.33's
+    ``sync_load_budget_bytes``: two offload blocks a step), whatever the engine's load failure policy and scheduling:
+    vLLM looks at neither."""
+    return vllm_offloading_past_known(config, sync_loads=True)
+
+
 def vllm_offloading_with_failures(config):
     """vLLM's OffloadingConnector in black-box mode, with transfer failures injected (known divergence)."""
     return vllm_offloading_past_known(config, _ReportsFailures)

@@ -52,6 +52,25 @@ def assert_reports_agree(coverage):
     assert "skipped:    TRACK, REF, CURSOR on the connector's own state: " in str(coverage)
 
 
+SYNC = {  # vLLM 0.33 loads up to two offload blocks of a step's hits synchronously (sync_load_budget_bytes), the
+    # rest asynchronously; under the "fail" policy with synchronous scheduling, where the world allows it (LOOKUP)
+    "sync-fail-policy-delayed": Scenario(Config(num_gpu_blocks=14, tier_blocks=8, load_failure_policy="fail",
+                                                sync_loads=True), delay=2),
+}
+
+
+@pytest.mark.parametrize("name", SYNC)
+def test_vllm_offloading_connector_conforms_with_synchronous_loads(name, record_property):
+    """Its worker waits for them before the forward pass and reports no finished_recving for them (SYNC); the
+    blocks they fill are read in that step (CONTENT). vLLM 0.32 has no synchronous loads: all its loads are
+    asynchronous there."""
+    with pytest.warns(SkippedRule):
+        coverage = run_conformance(vllm_offloading, SYNC[name])
+    record_property("coverage", str(coverage))
+    assert coverage.world["blocks_loaded"] and coverage.invariants["SYNC"] and coverage.invariants["CONTENT"]
+    assert bool(coverage.world["sync_loads"]) == (not vllm.__version__.startswith("0.32")), coverage.world
+
+
 GPU_MODES = {  # the engine modes vLLM runs on GPUs, modelled by the world (the connector sees them in its inputs)
     "async": Scenario(Config(num_gpu_blocks=18, tier_blocks=3, async_scheduling=True), delay=1),
     "spec3-no-prefix-cache": Scenario(Config(num_gpu_blocks=18, tier_blocks=3, num_spec_tokens=3,
@@ -239,7 +258,8 @@ def test_known_divergence_replays(divergence):
 @pytest.mark.parametrize("divergence", DIVERGENCES["divergence"], ids=lambda d: d["id"])
 def test_known_divergence_is_found_from_scratch(divergence):
     if not present_here(divergence):
-        pytest.skip(f"vLLM {vllm.__version__} fixed {divergence['id']} (its program passes: see the replay test)")
+        pytest.skip(f"vLLM {vllm.__version__} does not have {divergence['id']} (its program passes: see the replay "
+                    f"test)")
     if not divergence.get("pr_finds", True):
         pytest.skip(f"{divergence['id']} is found by the nightly hunt, not by the pr profile (its program replays)")
     scenario = scenario_from(read_trace(HERE / divergence["trace"])[0])

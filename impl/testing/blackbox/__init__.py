@@ -52,6 +52,7 @@ class Transfer(NamedTuple):
     first_positions: tuple[int, ...] | None = None  # per KV cache group, its first block's index in the request
     keys: tuple[Hashable, ...] | None = None  # the offload key each GPU block is copied under, if the metadata says
     groups: tuple[int, ...] | None = None  # the KV cache group of each GPU block, if the metadata says
+    sync: bool = False  # a load its request's forward pass of this step reads (done before it: vLLM 0.33)
 
 
 class Transfers(Protocol):
@@ -110,8 +111,9 @@ class Release(Protocol):
         """The named connector's scheduler side, built as vLLM builds it, over a KV cache shaped like ``config``'s,
         with ``extra(bytes of one GPU block over all layers)`` as its extra config (a group per ``config.groups``,
         their layers overlaying one allocation, as vLLM lays out a hybrid model)."""
-    def offloading_connector(self, config: Config) -> BlackBox:
-        """vLLM's own ``OffloadingConnector`` of this release, sized from the config, in black-box mode."""
+    def offloading_connector(self, config: Config, sync_loads: bool | None = None) -> BlackBox:
+        """vLLM's own ``OffloadingConnector`` of this release, sized from the config, in black-box mode; hits it
+        loads synchronously where the release can (0.33), if ``sync_loads`` (None: as the config says)."""
     def simple_cpu_connector(self, config: Config, lazy: bool) -> BlackBox:
         """vLLM's ``SimpleCPUOffloadConnector``, its CPU tier of ``tier_blocks`` blocks, eager or lazy."""
     def tiering_connector(self, config: Config, root: Path, io_delay: int, backpressure: bool = False) -> BlackBox:
@@ -380,6 +382,7 @@ class BlackBox:
 
     def start_load_kv(self, metadata: Any) -> None:
         self._submit("load")
+        self.executor.wait({job_id for job_id, t in self.submitted.items() if t.kind == "load" and t.sync})
 
     def wait_for_save(self, metadata: Any) -> None:
         self._submit("store")
@@ -409,7 +412,8 @@ class BlackBox:
         busy = {t.req_id for t in self.submitted.values()}
         sending = {r for r in self.draining if r not in busy}
         self.draining -= sending
-        return WorkerOutput(frozenset(sending), frozenset(t.req_id for t in done if t.kind == "load"), tuple(results),
+        recving = frozenset(t.req_id for t in done if t.kind == "load" and not t.sync)  # a synchronous one's runs
+        return WorkerOutput(frozenset(sending), recving, tuple(results),
                             frozenset(t.req_id for t in failed) if hybrid else frozenset())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -417,10 +421,11 @@ class BlackBox:
         return errors
 
 
-def vllm_offloading_connector(config: Config, vllm: Release | None = None) -> BlackBox:
+def vllm_offloading_connector(config: Config, vllm: Release | None = None, sync_loads: bool | None = None) -> BlackBox:
     """A kit factory: vLLM's own ``OffloadingConnector`` of the installed release (or of ``vllm``), with its real
-    CPU manager, sized from the config, store refusals injected at its manager."""
-    return (vllm or release()).offloading_connector(config)
+    CPU manager, sized from the config, store refusals injected at its manager; ``sync_loads`` as the release's
+    ``offloading_connector`` takes it."""
+    return (vllm or release()).offloading_connector(config, sync_loads)
 
 
 class OneResetBetweenSteps(BlackBox):
@@ -441,10 +446,11 @@ class OneResetBetweenSteps(BlackBox):
         return True
 
 
-def vllm_offloading_past_known(config: Config, transfers: Callable[[Transfers], Transfers] | None = None) -> BlackBox:
+def vllm_offloading_past_known(config: Config, transfers: Callable[[Transfers], Transfers] | None = None,
+                               sync_loads: bool | None = None) -> BlackBox:
     """A kit factory: vLLM's ``OffloadingConnector`` as ``vllm_offloading_connector`` makes it, short of its known
     divergences (``transfers`` may change its metadata reader)."""
-    box = vllm_offloading_connector(config)
+    box = vllm_offloading_connector(config, sync_loads=sync_loads)
     reader = transfers(box.reader) if transfers else box.reader
     refuse = getattr(box, "refuse_next_store", None)  # set where the release's manager can refuse
     return OneResetBetweenSteps(config, box.connector, reader, box.vllm, refuse=refuse)

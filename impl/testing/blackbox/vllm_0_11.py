@@ -147,7 +147,7 @@ class Release:
         vllm_config.cache_config.num_gpu_blocks = config.num_gpu_blocks + NULL_BLOCKS
         return KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER)
 
-    def offloading_connector(self, config: Config) -> BlackBox:
+    def offloading_connector(self, config: Config, sync_loads: bool | None = None) -> BlackBox:
         """vLLM 0.11's ``OffloadingConnector`` with its real LRU CPU manager (``tier_blocks`` CPU blocks of
         ``offload_block_size`` tokens; it has no other policy), store refusals injected at its manager for the
         request whose hashes it is asked to store (0.11's manager is not told the request)."""

@@ -61,7 +61,7 @@ class OffloadingTransfers:
                     chunks = chunks[needed:]
                 groups = tuple(g for g, size in enumerate(sizes) for _ in range(size))
                 yield Transfer(job_id, job.req_id, kind, tuple(map(int, gpu.block_ids)), tuple(slots), firsts,
-                               groups=groups)
+                               groups=groups, sync=getattr(job, "sync", False))  # (0.33 loads synchronously too)
 
     def flushes(self, metadata: Any, submitted: dict[int, Transfer]) -> set[int]:
         return set(metadata.jobs_to_flush or ())
@@ -173,11 +173,12 @@ class Release:
         vllm_config.kv_transfer_config.kv_connector_extra_config.update(extra(block_bytes))
         return KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
-    def offloading_connector(self, config: Config) -> BlackBox:
+    def offloading_connector(self, config: Config, sync_loads: bool | None = None) -> BlackBox:
         """vLLM's ``OffloadingConnector`` with its real CPU manager, sized from the config (``k`` GPU blocks per CPU
         chunk, ``tier_blocks`` chunks, eviction ``policy``), store refusals injected at its manager
         (the manager contract: None means no room), for the request its ``ReqContext`` names."""
-        connector, refuse = self._offloading(config, {})
+        sync = config.sync_loads if sync_loads is None else sync_loads
+        connector, refuse = self._offloading(config, {}, sync_blocks=2 if sync else 0)
         return BlackBox(config, connector, OffloadingTransfers(config.k), self, refuse=refuse)
 
     def simple_cpu_connector(self, config: Config, lazy: bool) -> BlackBox:
@@ -198,13 +199,16 @@ class Release:
         region, io = tiering.take_over(connector, io_delay, config.k)
         return BlackBox(config, connector, OffloadingTransfers(config.k), self, refuse=refuse, host=region, tier_io=io)
 
-    def _offloading(self, config: Config, spec: dict[str, Any]) -> tuple[Any, Callable[[str], None]]:
+    def _offloading(self, config: Config, spec: dict[str, Any],
+                    sync_blocks: int = 0) -> tuple[Any, Callable[[str], None]]:
         """The ``OffloadingConnector`` over ``spec`` (its spec's extra config), its CPU tier sized from the config,
-        and how to make its manager refuse a request's next store."""
+        and how to make its manager refuse a request's next store. A step's hits load synchronously up to
+        ``sync_blocks`` offload blocks (0.33's ``sync_load_budget_bytes``), the others asynchronously."""
         align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
         connector = self.create(config, "OffloadingConnector", None, lambda block_bytes: {
             "cpu_bytes_to_use": -(-block_bytes * config.k // align) * align * config.tier_blocks,
-            "eviction_policy": config.policy, "blocks_per_chunk": config.k, **spec})  # k blocks of each group's size
+            "eviction_policy": config.policy, "blocks_per_chunk": config.k,  # k blocks of each group's size
+            "sync_load_budget_bytes": sync_blocks * config.k * block_bytes, **spec})
         manager = connector.scheduler.manager
         prepare_store = manager.prepare_store
         refusing: set[str] = set()
