@@ -45,8 +45,8 @@ GPU_MODE_SCENARIOS = {
                store_prompts_only=True), delay=1, failures=True),
 }
 
-# Synchronous loads (the spec connector's; the reference and production connectors load asynchronously): a hit
-# loads in the step that computes the rest, under vLLM's "fail" policy, without async scheduling (LOOKUP says why).
+# Synchronous loads (every connector's, when the config asks): a hit loads in the step that computes the rest, under
+# vLLM's "fail" policy, without async scheduling (LOOKUP says why).
 SYNC_SCENARIOS = {
     "k1-sync-delayed-failures": Scenario(
         Config(num_gpu_blocks=16, tier_blocks=8, load_failure_policy="fail", sync_loads=True), delay=2,
@@ -155,6 +155,9 @@ FLEET_SCENARIOS = {
         # restart on a checkpoint a fine-tune may have replaced
         Config(num_gpu_blocks=14, tier_blocks=6, prefix_caching=False), delay=1, engines=2, store=24,
         weight_versions=True, restarts=True),
+    "fleet2-sync-fail-policy-delayed-failures": Scenario(  # a record a lookup gets loads in the step that computes
+        Config(num_gpu_blocks=14, tier_blocks=6, prefix_caching=False, load_failure_policy="fail", sync_loads=True),
+        delay=1, failures=True, engines=2, store=24, store_delay=1),
     "fleet2-dead-store": Scenario(
         Config(num_gpu_blocks=14, tier_blocks=4, prefix_caching=False), delay=1, engines=2, store=8, store_dead=True),
 }

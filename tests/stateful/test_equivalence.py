@@ -106,13 +106,15 @@ def test_a_connector_without_groups_keeps_the_window_of_a_model_whose_layers_all
 
 
 def _shared_as_expected(name, coverage):
-    """The store was used: hits from it, or (dead) none, and every request still finished (PROGRESS ran)."""
+    """The store was used: hits from it, or (dead) none, and every request still finished (PROGRESS ran); hits
+    loaded synchronously where the config asks."""
     assert "the fleet's shared store" not in coverage.skipped
     assert coverage.invariants["PROGRESS"] > 0
     if FLEET_SCENARIOS[name].store_dead:
         assert not coverage.world["shared_hits"] and not coverage.world["shared_stored"]
     else:
         assert coverage.world["shared_hits"] > 0 and coverage.world["shared_stored"] > 0
+    assert bool(coverage.world["sync_loads"]) == FLEET_SCENARIOS[name].config.sync_loads
 
 
 @pytest.mark.parametrize("name", FLEET_SCENARIOS)
