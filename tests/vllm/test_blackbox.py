@@ -62,13 +62,14 @@ SYNC = {  # vLLM 0.33 loads up to two offload blocks of a step's hits synchronou
 @pytest.mark.parametrize("name", SYNC)
 def test_vllm_offloading_connector_conforms_with_synchronous_loads(name, record_property):
     """Its worker waits for them before the forward pass and reports no finished_recving for them (SYNC); the
-    blocks they fill are read in that step (CONTENT). vLLM 0.32 has no synchronous loads: all its loads are
-    asynchronous there."""
+    blocks they fill are read in that step (CONTENT)."""
+    if vllm.__version__.startswith("0.32"):
+        pytest.skip("vLLM 0.32's OffloadingConnector has no synchronous loads (0.33 runs this: test_releases.py)")
     with pytest.warns(SkippedRule):
         coverage = run_conformance(vllm_offloading, SYNC[name])
     record_property("coverage", str(coverage))
-    assert coverage.world["blocks_loaded"] and coverage.invariants["SYNC"] and coverage.invariants["CONTENT"]
-    assert bool(coverage.world["sync_loads"]) == (not vllm.__version__.startswith("0.32")), coverage.world
+    assert coverage.world["blocks_loaded"] and coverage.world["sync_loads"], coverage.world
+    assert coverage.invariants["SYNC"] and coverage.invariants["CONTENT"]
 
 
 GPU_MODES = {  # the engine modes vLLM runs on GPUs, modelled by the world (the connector sees them in its inputs)
