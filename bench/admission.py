@@ -40,11 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--document", type=int, default=512, help="tokens per document (a multiple of 32)")
     parser.add_argument("--tier-documents", type=int, default=5, help="documents the CPU tier holds")
     parser.add_argument("--model-dir", type=Path, default=Path(".cache/prefill-llama"))
+    parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES),
+                        help="the policies to run (those of the last line always run)")
     args = parser.parse_args(argv)
     if args.document <= 0 or args.document % 32 or min(args.requests, args.hot, args.tier_documents) < 1:
         parser.error("--document must be a positive multiple of 32; --requests, --hot, --tier-documents at least 1")
     model = build_prefill_llama(args.model_dir)
-    runs = {policy: run_policy(policy, model, args) for policy in POLICIES}
+    runs = {policy: run_policy(policy, model, args) for policy in POLICIES
+            if policy in {*args.policies, "none", "every block", "threshold 2"}}
     truth = runs["none"]["tokens"]
     print(f"\n{'policy':>12} {'hit rate':>9} {'stored':>7} {'left out':>9} {'evicted':>8} {'mean TTFT':>10} "
           f"{'median':>7}   (ms; {args.requests} requests, {args.hot} hot documents of {args.document} tokens, "

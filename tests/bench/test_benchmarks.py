@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # script: (tiny arguments, the name=value figures its last line gives)
 BENCHMARKS = {
-    "admission.py": (["--requests", "6", "--hot", "2", "--document", "64", "--tier-documents", "2"],
+    "admission.py": (["--requests", "6", "--hot", "2", "--document", "64", "--tier-documents", "2", "--policies",
+                      "threshold 2"],  # (and those its last line needs; threshold 3 runs the same code)
                      ["admission_ttft_vs_every_block"]),
     "convoy.py": (["--requests", "2", "--document", "64", "--rounds", "1", "--max-tokens", "2"],
                   ["convoy_throughput_vs_none", "nohit_ttft_vs_none"]),
