@@ -150,7 +150,8 @@ class Release:
     def offloading_connector(self, config: Config, sync_loads: bool | None = None) -> BlackBox:
         """vLLM 0.11's ``OffloadingConnector`` with its real LRU CPU manager (``tier_blocks`` CPU blocks of
         ``offload_block_size`` tokens; it has no other policy), store refusals injected at its manager for the
-        request whose hashes it is asked to store (0.11's manager is not told the request)."""
+        request whose hashes it is asked to store (0.11's manager is not told the request). It has no synchronous
+        loads: ``sync_loads`` changes nothing."""
         connector = self.create(config, "OffloadingConnector", None, lambda _block_bytes: {
             "num_cpu_blocks": config.tier_blocks, "block_size": config.offload_block_size})
         manager = connector.connector_scheduler.manager
