@@ -56,7 +56,7 @@ def one_round(tier, raw: Raw, payloads: list[bytes], batch: int) -> dict[str, fl
     outcomes: list[str] = []
     for part in batches(list(range(len(payloads))), batch):
         seconds["raw_store"] += timed(raw.put, part)
-        staged = tier.staging(part, size)
+        staged = staging(tier, part, size)
         for row, i in zip(staged, part):
             row[:] = numpy.frombuffer(payloads[i], dtype=numpy.uint8)
         records = [(i, row.data) for i, row in zip(part, staged)]
@@ -64,7 +64,7 @@ def one_round(tier, raw: Raw, payloads: list[bytes], batch: int) -> dict[str, fl
     assert outcomes == ["stored"] * len(payloads), outcomes
     for part in batches(list(range(len(payloads))), batch):
         seconds["raw_load"] += timed(raw.get, part)
-        landing = tier.staging(part, size)
+        landing = staging(tier, part, size)
         landing[:] = 0xFF  # touched, as the engine's staging is
         rows = [row.data for row in landing]
         seconds["load"] += timed(lambda part=part, rows=rows: assert_all(tier.get(part, rows)))
@@ -74,6 +74,13 @@ def one_round(tier, raw: Raw, payloads: list[bytes], batch: int) -> dict[str, fl
         raw.store.remove(f"raw/{i}")
     tier.delete(list(range(len(payloads))))
     return seconds
+
+
+def staging(tier, keys: list[int], size: int) -> numpy.ndarray:
+    """Where the engine stages these records: the tier's frames, or (a batch past what the tier keeps) memory of
+    the engine's own."""
+    frames = tier.staging(keys, size)
+    return frames if frames is not None else numpy.empty((len(keys), size), dtype=numpy.uint8)
 
 
 def assert_all(hits: list[bool]) -> None:
