@@ -18,15 +18,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvoffload.impl.testing import preloaded
 from kvoffload.impl.testing.admission import POLICIES
 from kvoffload.impl.testing.ttft import build_prefill_llama
 
 
 def run_policy(policy: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
     print(f"{policy}: a new engine process...", file=sys.stderr, flush=True)
-    done = subprocess.run([sys.executable, "-m", "kvoffload.impl.testing.admission", policy, str(model),
-                           str(args.requests), str(args.hot), str(args.document), str(args.tier_documents)],
-                          stdout=subprocess.PIPE, text=True)
+    done = preloaded.run([sys.executable, "-m", "kvoffload.impl.testing.admission", policy, str(model),
+                          str(args.requests), str(args.hot), str(args.document), str(args.tier_documents)],
+                         stdout=subprocess.PIPE, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
         raise RuntimeError(f"the {policy!r} engine failed (exit status {done.returncode}); its log is above")

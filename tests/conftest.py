@@ -42,6 +42,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                if item.path.is_relative_to(tests) else len(rank))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def preloaded_vllm():
+    """The engine processes this worker starts, and those its children start, fork from one that imported vLLM
+    already (``kvoffload.impl.testing.preloaded``): its 6 s of imports are paid once."""
+    from kvoffload.impl.testing import preloaded
+
+    if preloaded.SOCKET in os.environ:
+        yield
+        return
+    server = preloaded.start()
+    yield
+    server.kill()
+    server.wait()
+    os.environ.pop(preloaded.SOCKET)
+
+
 def needs_redis_server() -> None:
     """A test that needs ``redis-server`` and cannot find it fails in CI, and skips elsewhere, with the reason."""
     pytest.importorskip("redis", reason="the Redis tier needs redis-py (pip install kvoffload[redis])")

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from typing import Any, Callable
 
+from . import preloaded
+
 
 class EngineProcess:
     """The parent's handle on one engine process: ``python -m module *args``."""
@@ -19,8 +21,8 @@ class EngineProcess:
     def __init__(self, name: str, module: str, *args: str) -> None:
         print(f"{name}: a new engine process...", file=sys.stderr, flush=True)
         self.name = name
-        self.process = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
+        self.process = preloaded.popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True)
         self._reply("READY")
 
     def _reply(self, prefix: str) -> str:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from . import preloaded
 from .demo import (build_tiny_llama, connector_config, drain, engine_prompt_tokens, make_llm, run_rounds,
                    scheduler_connector, workload)
 
@@ -38,7 +38,7 @@ def start(name: str, model: Path, directory: Path, args: argparse.Namespace) -> 
     print(f"engine {name}: a new process on {directory}...", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "kvoffload.impl.testing.fleet_demo", "--serve", "--model-dir", str(model),
            "--dir", str(directory), "--requests", str(args.requests), "--max-tokens", str(args.max_tokens)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = preloaded.run(cmd, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
         raise SystemExit(f"engine {name} failed:\n{done.stderr[-4000:]}")

