@@ -8,6 +8,7 @@ like any other transfer.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -22,6 +23,8 @@ from kvoffload.spec.store import SharedTier
 from kvoffload.spec.types import Job, Key
 
 from .transfer import HostPool, as_words
+
+logger = logging.getLogger("kvoffload.shared")
 
 Opener = Callable[[Namespace, int], SharedTier]  # (namespace, payload bytes) -> that namespace's records
 
@@ -150,6 +153,9 @@ class IOExecutor:
         start = time.perf_counter()
         try:
             return job.run()
+        except Exception:  # a failed transfer, as the docstring says: logged, for the operator to see why
+            logger.exception("a shared-tier %s raised (reported as a failed transfer)", job.kind)
+            raise
         finally:
             took = time.perf_counter() - start
             self.seconds[job.kind] += took

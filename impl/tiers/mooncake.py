@@ -65,7 +65,8 @@ ERRORS = {-704: "missing", -706: "leased", -707: "lease_expired", -600: "too_lar
           -10: "buffer", -200: "pool_full", -800: "transfer", -703: "not_ready"}
 UNREACHED = (-900, -901)  # the master could not be reached, or did not answer in time
 DOWN = -1_000_000  # ours: not called, the pool counts as down
-ERRORS[DOWN] = "down"
+RAISED = -1_000_001  # ours: the client raised instead of answering (logged)
+ERRORS |= {DOWN: "down", RAISED: "raised"}
 FRAME_ALIGN = 64  # bytes: each staged header's room and payload start at a multiple of it
 
 
@@ -184,6 +185,9 @@ class MooncakeTier:
         try:
             result = call(*args)
             return result
+        except Exception:  # an answer like any error's: counted by the caller, and never a failed transfer
+            logger.exception("the Mooncake client raised in %s", getattr(call, "__name__", call))
+            return RAISED if isinstance(args[0], str) else [RAISED] * len(args[0])
         finally:
             unreached = result is None or not set(UNREACHED).isdisjoint(result if isinstance(result, list)
                                                                         else [result])

@@ -179,6 +179,17 @@ def test_a_killed_master_is_a_miss_and_a_dropped_write_at_once_until_it_is_back(
     assert read(engine) == payload(3)
 
 
+def test_a_client_call_that_raises_is_an_error_code_and_the_pool_counts_as_down(master):
+    """The client raises (here: refusing an argument) instead of answering: each name gets the tier's ``RAISED``
+    code, which puts and gets count as a dropped write or an error (never a failed transfer, uncounted), and the
+    pool counts as down for ``retry_after``."""
+    from kvoffload.impl.tiers.mooncake import RAISED
+
+    engine = tier(master, retry_after=30.0)
+    assert engine._call(engine.store.batch_is_exist, [None, None]) == [RAISED, RAISED]
+    assert engine.put([(5, payload(2))]) == ["dropped:down"]
+
+
 def test_a_killed_store_node_is_a_miss_and_a_dropped_write_until_another_node_lends_memory(master):
     """The store node holding the pool's memory dies: the master still names its objects, but reading one fails
     (Mooncake's TRANSFER_FAIL): a miss, counted, never another record's bytes; a write is placed in the dead node's
