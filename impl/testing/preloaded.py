@@ -8,7 +8,7 @@ environment. The program runs as under ``python``: as ``__main__``, with its ``s
 random states, and ends as the interpreter ends (threads joined, exit functions run, modules torn down: the
 Mooncake client leaves its pool); its exit status, a signal's included, comes back to the client. Where
 ``KVOFFLOAD_PRELOADED`` names no server, or the program needs what only a new interpreter has (another Python,
-other ``PYTHON*``, OpenMP or loader settings), the calls are subprocess's own.
+other ``PYTHON*`` or OpenMP settings), the calls are subprocess's own.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import types
 from typing import Any, Sequence
 
 SOCKET = "KVOFFLOAD_PRELOADED"  # "<the server's pid>:<its socket>", for this process and its children
-# read by the interpreter, OpenMP or the loader when they start: a program that sets them otherwise than the server
-# had them needs an interpreter of its own (PYTHONPATH is applied to sys.path, as at start; LD_LIBRARY_PATH is not
-# compared: importing vLLM sets it, for the processes it starts)
-AT_START = ("PYTHON", "OMP_", "KMP_", "MKL_", "LD_PRELOAD", "MALLOC")
+# read by the interpreter or OpenMP when they start: a program that sets them otherwise than the server had them
+# needs an interpreter of its own (PYTHONPATH is applied to sys.path, as at start). The loader's LD_PRELOAD and
+# LD_LIBRARY_PATH are not compared: vLLM sets them in its own process, for the processes it starts (tcmalloc and
+# libgomp on CPU; cv2's libraries), so a test process that ran an engine passes them on.
+AT_START = ("PYTHON", "OMP_", "KMP_", "MKL_", "MALLOC")
 PRELOAD = ("torch", "transformers", "vllm", "vllm.v1.engine.core", "vllm.v1.engine.llm_engine")
 
 

@@ -81,7 +81,7 @@ def test_pipes_a_timeout_and_a_kill(tmp_path):
 
 
 def test_what_only_a_new_interpreter_can_give_gets_one():
-    """Another hash seed (or OpenMP or loader setting) than the server started with, or another Python (vLLM
+    """Another hash seed (or OpenMP setting) than the server started with, or another Python (vLLM
     0.33's venv, say): a new interpreter."""
     code = PREFIX + "print(hash('kvoffload'))"
     seeds = {}
