@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -36,7 +37,9 @@ def run(model: Path, actions: list, shared: dict | None = None, lora: bool = Fal
     extra = json.dumps({"tier_bytes": 32 << 20, "offload_block_size": 32, "shared_tier": shared}) if shared else ""
     cmd = [sys.executable, str(ROOT / "tests" / "vllm" / "run_identity.py"), "--model", str(model), "--extra", extra,
            "--actions", json.dumps(actions), "--tp", str(tp), *(["--lora"] if lora else [])]
-    done = preloaded.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**ENV, SECRET: PASSWORD})
+    # vLLM's workers of a tensor-parallel run start from an engine process of its own, as operators run them
+    runner = preloaded.run if tp == 1 else subprocess.run
+    done = runner(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**ENV, SECRET: PASSWORD})
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"engine run failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])
