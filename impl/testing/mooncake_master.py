@@ -96,7 +96,14 @@ class MooncakeMaster:
         os.kill(self.process.pid, signal.SIGCONT)
 
     def __enter__(self) -> MooncakeMaster:
-        self.start()
+        for attempt in range(3):  # a port free when chosen may be another process's before the master binds it
+            try:
+                self.start()
+                break
+            except RuntimeError as error:
+                if "Address already in use" not in str(error) or attempt == 2:
+                    raise
+                self.port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.add_node()
         return self
 
