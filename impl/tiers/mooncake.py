@@ -6,8 +6,9 @@ what a record is and what a reader checks)::
     kvoffload/<namespace digest>/<key>       one record per offload block: header and payload in one object
 
 **One object per record, written once.** The pool never replaces an object: a second put of a name succeeds and
-changes nothing, so the first writer wins. A put asks first which of its records are there, and sends only the
-others. Objects become visible only once whole (Mooncake's put is a start, the copies, and an end).
+changes nothing, so the first writer wins. A put asks which of its records are there (on another thread, while
+it seals them: the question crosses the network to the master) and sends only the others. Objects become
+visible only once whole (Mooncake's put is a start, the copies, and an end).
 
 **No copy of a payload, one piece per record.** The engine stages a put's or a get's payloads in this thread's
 registered memory (``staging``), each with room for its header just before it: a put writes the header there and
@@ -67,6 +68,7 @@ UNREACHED = (-900, -901)  # the master could not be reached, or did not answer i
 DOWN = -1_000_000  # ours: not called, the pool counts as down
 RAISED = -1_000_001  # ours: the client raised instead of answering (logged)
 ERRORS |= {DOWN: "down", RAISED: "raised"}
+PUTS_ASKING = 4  # puts whose question runs beside their sealing (more wait for a thread)
 FRAME_ALIGN = 64  # bytes: each staged header's room and payload start at a multiple of it
 
 
@@ -154,6 +156,8 @@ class MooncakeTier:
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._asks = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-mooncake-ask")
+        # a put's question which of its records are there, answered while it seals them: one per put in flight
+        self._present = ThreadPoolExecutor(PUTS_ASKING, thread_name_prefix="kvoffload-mooncake-present")
         self._buffers = threading.local()
         self._condemned: dict[str, float] = {}  # objects that failed their check -> when to try removing them again
         self._down_until: float | None = None  # the pool counts as down until then (None: up)
@@ -331,12 +335,13 @@ class MooncakeTier:
     def put(self, records: Sequence[tuple[RecordKey, Bytes]]) -> list[str]:
         self._remove_condemned()
         names = [self.name(key) for key, _ in records]
-        present = self._call(self.store.batch_is_exist, names)
+        asked = self._present.submit(self._call, self.store.batch_is_exist, names)  # the client lets go of the GIL
+        every = [seal(self.namespace, key, payload) for key, payload in records]  # meanwhile (few are there)
         outcomes = ["present" if code == 1 else f"dropped:{self._error(code)}" if code < 0 else ""
-                    for code in present]
+                    for code in asked.result()]
         todo = [i for i, outcome in enumerate(outcomes) if not outcome]
         if todo:
-            sealed = [seal(self.namespace, *records[i]) for i in todo]
+            sealed = [every[i] for i in todo]
             arrays = [numpy.frombuffer(payload, dtype=numpy.uint8) for _, payload in sealed]  # held until it returns
             pieces = self._pieces([len(header) for header, _ in sealed], arrays)
             for (place, _, _), (header, _) in zip(pieces, sealed):
