@@ -29,7 +29,7 @@ from .config import SharedTierConfig, config_from_vllm
 from .identity import (KVOffloadHandshake, calling_model_runner, combined, lora_salt, namespace_from_vllm,
                        weights_digest)
 from .metrics import COUNTERS, LATENCIES, MOVED, KVOffloadPromMetrics, KVOffloadStats
-from .views import BlockTables, CacheTensors, VllmRequestView
+from .views import BlockTables, CacheTensors, VllmRequestView, named
 
 # A step that schedules nothing while our puts or gets run: vLLM steps again at once, and a loop that spins holding the
 # GIL starves our I/O threads, which take the GIL back after every system call and wait up to its 5 ms switch
@@ -192,7 +192,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         neutral = self.tables.batch(scheduler_output)
         plan = self.offload.build_connector_meta(neutral)
         if self.shadow:
-            self.shadow.batch(neutral)
+            self.shadow.batch(named(neutral))
         self._keep_in_budget()
         self.unidentified_steps = 0 if self.offload.identified else self.unidentified_steps + 1
         if not scheduler_output.total_num_scheduled_tokens and self._io_in_flight():

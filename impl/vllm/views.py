@@ -4,9 +4,11 @@ cache group, vLLM's null block as ``NULL_BLOCK``) and a scheduler output, the KV
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import compress, count, repeat
+from typing import Any, cast
 
 import torch
+from attrs import evolve
 from vllm.v1.request import RequestStatus
 
 from kvoffload.spec.config import Config
@@ -92,21 +94,36 @@ class BlockTables:
         return ScheduledRequest(req_id, kind, table, computed, scheduled)
 
     def batch(self, so: Any) -> SchedulerOutput:
-        """vLLM's SchedulerOutput as ours: running (and resumed) requests first, then new ones."""
+        """vLLM's SchedulerOutput as ours: running (and resumed) requests first, then new ones. Running requests may
+        come as plain tuples (``_running``): ``named`` makes them ScheduledRequests for a reader of their fields."""
         cached, counts = so.scheduled_cached_reqs, so.num_scheduled_tokens
         resumed = cached.resumed_req_ids
-        running = zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)
-        if self.hybrid or self.windowed:
+        if self.hybrid or self.windowed or resumed:
             scheduled = [self.scheduled(req_id, "resumed" if req_id in resumed else "running", ids, computed,
-                                        counts[req_id]) for req_id, ids, computed in running]
-        else:  # the hot path, a tuple per running request per step: one group's new blocks, built inline (and
-            # by tuple.__new__, without the named tuple's Python-level constructor)
-            scheduled = [tuple.__new__(ScheduledRequest, (req_id, "running", (tuple(ids[0]) or None) if ids is not None
-                                                          else None, computed, counts[req_id], None))
-                         if req_id not in resumed
-                         else self.scheduled(req_id, "resumed", ids, computed, counts[req_id])
-                         for req_id, ids, computed in running]
+                                        counts[req_id])
+                         for req_id, ids, computed in zip(cached.req_ids, cached.new_block_ids,
+                                                          cached.num_computed_tokens)]
+        else:
+            scheduled = self._running(cached, counts)
         scheduled += [self.scheduled(new.req_id, "new", new.block_ids, new.num_computed_tokens,
                                      counts[new.req_id]) for new in so.scheduled_new_reqs]
         return SchedulerOutput(0, tuple(scheduled), frozenset(so.preempted_req_ids or ()),
                                frozenset(so.finished_req_ids))
+
+    @staticmethod
+    def _running(cached: Any, counts: dict[str, int]) -> list[ScheduledRequest]:
+        """The hot path (one group, none resumed): each running request as a plain tuple in ScheduledRequest's
+        order, built by zip with no Python code per request (a ScheduledRequest each took a fifth of the scheduler
+        side's time); then the few with new blocks get them. The production scheduler only unpacks them."""
+        req_ids, new_ids = cached.req_ids, cached.new_block_ids
+        scheduled = list(zip(req_ids, repeat("running"), repeat(None), cached.num_computed_tokens,
+                             map(counts.__getitem__, req_ids), repeat(None)))
+        for i in compress(count(), new_ids):  # (None: no new block)
+            req_id, kind, _, computed, n, _ = scheduled[i]
+            scheduled[i] = (req_id, kind, tuple(new_ids[i][0]) or None, computed, n, None)
+        return cast("list[ScheduledRequest]", scheduled)
+
+
+def named(output: SchedulerOutput) -> SchedulerOutput:
+    """``output`` with every request a ScheduledRequest (``BlockTables.batch`` may give plain tuples)."""
+    return evolve(output, scheduled=tuple(map(ScheduledRequest._make, output.scheduled)))
