@@ -282,13 +282,14 @@ class OffloadScheduler:
     def _new_transfer(self, state: RequestState | None, kind: TransferKind, keys: list[int], copies: list[Copy],
                       host_rows: list[int]) -> Transfer:
         """A transfer of a request (``state``), or of the tier (None: a put or a get)."""
-        weights = "" if state is not None else cast(SharedStore, self.shared).namespace.weights  # a put's, a get's
-        transfer = Transfer(next(self._job_ids), state.request.req_id if state else "", kind, keys, copies, host_rows,
-                            weights=weights)
-        self.unfinished[transfer.job_id] = transfer
-        if state is not None:
+        if state is None:  # a put's or a get's: its records' namespace
+            transfer = Transfer(next(self._job_ids), "", kind, keys, copies, host_rows,
+                                weights=cast(SharedStore, self.shared).namespace.weights)
+        else:
+            transfer = Transfer(next(self._job_ids), state.request.req_id, kind, keys, copies, host_rows)
             state.unfinished += 1
             state.unfinished_stores += kind == "store"
+        self.unfinished[transfer.job_id] = transfer
         return transfer
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TransferPlan:

@@ -102,21 +102,22 @@ class OffloadTier:
         if new and (refuse or victims is None):
             self.refusals += 1
             return None
+        slot_of, free, policy, slots = self.slot_of, self.free, self.policy, {}
         for key in victims or ():
-            self.free.append(self.slot_of.pop(key))
+            free.append(slot_of.pop(key))
         for key in keys:
-            if key in self.slot_of:
-                self.policy.touch(key)
+            if key in slot_of:
+                policy.touch(key)
             elif taken is None or key in taken:
-                slot = self.slot_of[key] = self.free.pop()
+                slot = slots[key] = slot_of[key] = free.pop()
                 self.ready[slot] = self.stale[slot] = 0
-                self.policy.insert(key)
+                policy.insert(key)
         if victims:
             for key in victims:  # after the inserts: ARC's target follows the ghosts as they were
-                self.policy.evict(key)
+                policy.evict(key)
             self.evictions += len(victims)
             self.events.append(Event("removed", tuple(victims)))
-        return {key: self.slot_of[key] for key in new}
+        return slots
 
     def _count_offers(self, keys: list[Key]) -> None:
         offers = cast("OrderedDict[Key, int]", self.offers)
