@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from typing import Callable, cast
 
 from attrs import define, field
@@ -99,6 +100,7 @@ class OffloadScheduler:
         self._pending_gets: list[Transfer] = []
         self._get_for: dict[int, RequestState] = {}  # a get in flight -> the request whose lookup it serves
         self._getting: set[Key] = set()  # keys a get in flight brings into the tier
+        self._loading: Counter[Key] = Counter()  # keys asynchronous loads in flight read -> how many loads
         self._unput: list[Key] = []
 
     def _state(self, req_id: str) -> RequestState:
@@ -117,7 +119,12 @@ class OffloadScheduler:
         if self.identified and not self._store_settled(cast(SharedStore, self.shared), state, num_computed_tokens):
             return None, False  # ask again: the store has not answered, or its records are on their way
         end = self._hit_end(request, num_computed_tokens, self.tier.is_ready)
-        return (end - num_computed_tokens, not self.config.sync_loads) if end > num_computed_tokens else (0, False)
+        if end <= num_computed_tokens:
+            return 0, False
+        if self._loading and self.config.prefix_caching and \
+                not self._loading.keys().isdisjoint(self._keys_read(request.block_hashes, num_computed_tokens, end)):
+            return None, False  # ask again: another request's load brings part of this hit, for the engine to share
+        return end - num_computed_tokens, not self.config.sync_loads
 
     def _hit_end(self, request: RequestView, computed: int, ready: Callable[[Key], bool]) -> int:
         """Where the longest hit from ``computed`` ends, its offload blocks all ``ready``."""
@@ -278,6 +285,8 @@ class OffloadScheduler:
             load = self._new_transfer(state, "load", load_keys, copies, host_rows)
             load.sync = self.config.sync_loads
             self._pending_loads.append(load)
+            if not load.sync:
+                self._loading.update(load_keys)
 
     def _new_transfer(self, state: RequestState | None, kind: TransferKind, keys: list[int], copies: list[Copy],
                       host_rows: list[int]) -> Transfer:
@@ -454,6 +463,8 @@ class OffloadScheduler:
                     cast(SharedStore, self.shared).published(transfer.weights, transfer.keys)
             else:
                 self.tier.complete_load(transfer.keys, success)
+                if not transfer.sync:
+                    self._loading -= Counter(transfer.keys)  # (and forgets the keys no load reads now)
                 self.counters["loaded_blocks" if success else "failed_loads"] += len(transfer.copies)
                 self.counters["sync_loaded_blocks"] += len(transfer.copies) if success and transfer.sync else 0
 

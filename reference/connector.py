@@ -135,7 +135,18 @@ class ReferenceConnector:
         if self._identified and not self._store_part_done(request, num_computed_tokens):
             return None, False  # ask again
         end = self._longest_hit(request, num_computed_tokens, self._in_tier)
-        return (end - num_computed_tokens, not self.config.sync_loads) if end else (0, False)
+        if not end:
+            return 0, False
+        if self.config.prefix_caching and self._loading(self._keys_read(request, num_computed_tokens, end)):
+            return None, False  # ask again: another request's load brings part of this hit, for the engine to share
+        return end - num_computed_tokens, not self.config.sync_loads
+
+    def _loading(self, keys: list[int]) -> bool:
+        """Whether an asynchronous load in flight reads one of ``keys``."""
+        for transfer in self._unfinished.values():
+            if transfer.kind == "load" and not transfer.sync and set(transfer.keys) & set(keys):
+                return True
+        return False
 
     def _in_tier(self, key: int) -> bool:
         return self.tier.lookup([key]) == 1

@@ -150,7 +150,19 @@ class SpecConnector:
         if self.identified and not self._shared_settled(request, num_computed_tokens):
             return None, False  # ask again: the store has not answered, or its records are on their way
         end = self._hit(request, num_computed_tokens, self._in_tier)
-        return (end - num_computed_tokens, not self.config.sync_loads) if end > num_computed_tokens else (0, False)
+        if end <= num_computed_tokens:
+            return 0, False
+        if self._being_loaded(self._hit_keys(request, num_computed_tokens, end)):
+            return None, False  # ask again: another request's load brings part of this hit
+        return end - num_computed_tokens, not self.config.sync_loads
+
+    def _being_loaded(self, keys: list[Key]) -> bool:
+        """Whether another request's asynchronous load reads one of ``keys``. Then this request waits: once that load
+        lands, the engine's prefix cache serves it the same blocks, where a load of its own would copy the same KV
+        into more blocks, and every later step would read both (a load convoy; vLLM's OffloadingConnector waits too).
+        Not without the engine's prefix cache, which would never serve it."""
+        loading = {key for t in self.unfinished.values() if t.kind == "load" and not t.sync for key in t.keys}
+        return self.config.prefix_caching and not loading.isdisjoint(keys)
 
     def _hit(self, request: RequestView, computed: int, present: Callable[[Key], bool]) -> int:
         """The longest hit every group can supply, in tokens, leaving one to compute: offload blocks before

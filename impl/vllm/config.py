@@ -213,6 +213,7 @@ def config_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Config:
                   retention_interval=kv_cache_config.prefix_cache_retention_interval,
                   load_failure_policy=vllm_config.kv_transfer_config.kv_load_failure_policy,
                   async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
+                  prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
                   sync_loads=extra.get("sync_loads", False))
 
 
