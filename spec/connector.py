@@ -152,11 +152,11 @@ class SpecConnector:
         end = self._hit(request, num_computed_tokens, self._in_tier)
         if end <= num_computed_tokens:
             return 0, False
-        if self._being_loaded(self._hit_keys(request, num_computed_tokens, end)):
+        if self._loading(self._hit_keys(request, num_computed_tokens, end)):
             return None, False  # ask again: another request's load brings part of this hit
         return end - num_computed_tokens, not self.config.sync_loads
 
-    def _being_loaded(self, keys: list[Key]) -> bool:
+    def _loading(self, keys: list[Key]) -> bool:
         """Whether another request's asynchronous load reads one of ``keys``. Then this request waits: once that load
         lands, the engine's prefix cache serves it the same blocks, where a load of its own would copy the same KV
         into more blocks, and every later step would read both (a load convoy; vLLM's OffloadingConnector waits too).
