@@ -7,8 +7,9 @@ synchronously under vLLM's "fail" policy) take turns, document by document: a CP
 to the engine's own hit are medians over documents of ratios timed side by side; the other ratios are of medians at
 the same length. Every hit's first token is checked against recompute's, and every prefix-cache reset against
 vLLM's answer; a way whose engine never hit (its figures would be recompute's) fails the run. Last line, at ``--at``
-tokens: ``ttft_tier_vs_recompute=… ttft_tier_vs_gpu_hit=… ttft_sync_vs_gpu_hit=… ttft_shared_vs_recompute=…
-ttft_storing_vs_recompute=… ttft_putting_vs_recompute=…``.
+tokens: ``ttft_tier_vs_recompute=… ttft_tier_vs_gpu_hit=… ttft_sync_vs_gpu_hit=… ttft_sync_vs_own_hit=…
+ttft_shared_vs_recompute=… ttft_storing_vs_recompute=… ttft_putting_vs_recompute=…`` (``sync_vs_own``: against the
+hit from the same engine's prefix cache, asked before its reset: no second process in the ratio).
 Goals at every length: a CPU-tier hit ≤ 0.05 × recompute (2048 tokens) and ≤ 1.05 × the engine's own hit (issue
 41: synchronously); a shared-tier hit ≤ 0.1 × recompute. With ``--redis``, the shared tier on a Redis server (a
 real redis-server on a loopback port) as well: ``ttft_redis_vs_recompute=… ttft_redis_vs_tier=…`` join the last
@@ -66,15 +67,16 @@ def main(argv: list[str] | None = None) -> int:
                 runs |= run_ways((way,), model, args.lengths, args.docs, shared)
     ttft = medians(runs)
     print(f"\n{'tokens':>7} {'recompute':>10} {'gpu hit':>8} {'cpu tier':>9} {'sync':>8} {'shared':>8} "
-          f"{'storing':>8} {'putting':>8}   {'tier/recomp':>11} {'tier/gpu':>8} {'sync/gpu':>8} {'sync/tier':>9} "
-          f"{'shared/recomp':>13}"
-          f"   (ms, medians of {args.docs})")
+          f"{'storing':>8} {'putting':>8}   {'tier/recomp':>11} {'tier/gpu':>8} {'sync/gpu':>8} {'sync/own':>8} "
+          f"{'sync/tier':>9} {'shared/recomp':>13}"
+          f"   (ms, medians of {args.docs}; sync/own: against the same engine's own hit)")
     for n in args.lengths:
         row = [ttft[f"{kind}/{n}"] for kind in ("recompute", "gpu_hit", "cpu_tier", "cpu_tier_sync", "shared_tier",
                                                 "recompute_storing", "recompute_putting")]
         print(f"{n:>7} " + " ".join(f"{s * 1e3:>{w}.1f}" for s, w in zip(row, (10, 8, 9, 8, 8, 8, 8)))
               + f"   {paired(runs, 'cpu_tier', 'recompute', n):>11.3f} {paired(runs, 'cpu_tier', 'gpu_hit', n):>8.2f}"
               f" {paired(runs, 'cpu_tier_sync', 'gpu_hit', n):>8.2f}"
+              f" {paired(runs, 'cpu_tier_sync', 'gpu_hit_sync', n):>8.2f}"
               f" {paired(runs, 'cpu_tier_sync', 'cpu_tier', n):>9.2f} {row[4] / row[0]:>13.3f}")
     wrong, resets = mismatches(runs), runs["tier"]["reset_steps"]
     print(f"\nfirst tokens identical to recompute: {'yes' if not wrong else 'NO: ' + '; '.join(wrong)}")
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ttft_tier_vs_recompute={paired(runs, 'cpu_tier', 'recompute', at):.3f} "
           f"ttft_tier_vs_gpu_hit={paired(runs, 'cpu_tier', 'gpu_hit', at):.3f} "
           f"ttft_sync_vs_gpu_hit={paired(runs, 'cpu_tier_sync', 'gpu_hit', at):.3f} "
+          f"ttft_sync_vs_own_hit={paired(runs, 'cpu_tier_sync', 'gpu_hit_sync', at):.3f} "
           f"ttft_shared_vs_recompute={ttft[f'shared_tier/{at}'] / ttft[f'recompute/{at}']:.3f} "
           f"ttft_storing_vs_recompute={ttft[f'recompute_storing/{at}'] / ttft[f'recompute/{at}']:.3f} "
           f"ttft_putting_vs_recompute={ttft[f'recompute_putting/{at}'] / ttft[f'recompute/{at}']:.3f}"

@@ -123,11 +123,15 @@ def _ask(way: str, llm: Any, doc_id: int, doc: list[int], resets: list[int]) -> 
     if way == "none":
         recompute = first_token(llm, doc + question(doc_id, 1))
         return {"recompute": recompute, "gpu_hit": first_token(llm, doc + question(doc_id, 2))}
-    if way in ("tier", "sync"):
+    if way == "tier":
         stored = first_token(llm, doc + question(doc_id, 3))
         resets.append(reset_prefix_cache(llm))
-        hit = first_token(llm, doc + question(doc_id, 1))
-        return {"recompute_storing": stored, "cpu_tier": hit} if way == "tier" else {"cpu_tier_sync": hit}
+        return {"recompute_storing": stored, "cpu_tier": first_token(llm, doc + question(doc_id, 1))}
+    if way == "sync":  # and this engine's own hit: the same process, its prefix cache instead of our tier
+        first_token(llm, doc + question(doc_id, 3))
+        own = first_token(llm, doc + question(doc_id, 2))
+        resets.append(reset_prefix_cache(llm))
+        return {"gpu_hit_sync": own, "cpu_tier_sync": first_token(llm, doc + question(doc_id, 1))}
     if way.endswith("writer"):
         return {way.replace("writer", "recompute_putting"): first_token(llm, doc + question(doc_id, 3))}
     return {SHARED_KIND[way]: first_token(llm, doc + question(doc_id, 1))}

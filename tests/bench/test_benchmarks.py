@@ -30,7 +30,7 @@ BENCHMARKS = {
     "sched_vs_vllm.py": (["--steps", "5", "--live", "16"], ["sched_ratio_vs_vllm"]),
     "shadow_overhead.py": (["--requests", "4", "--rounds", "1"], ["shadow_overhead"]),
     "ttft.py": (["--lengths", "64", "--docs", "1", "--at", "64", "--hybrid", "--hybrid-lengths", "512", "--mooncake"],
-                ["ttft_tier_vs_recompute", "ttft_tier_vs_gpu_hit", "ttft_sync_vs_gpu_hit",
+                ["ttft_tier_vs_recompute", "ttft_tier_vs_gpu_hit", "ttft_sync_vs_gpu_hit", "ttft_sync_vs_own_hit",
                  "ttft_hybrid_tier_vs_gpu_hit", "ttft_mooncake_vs_recompute"]),
 }
 
