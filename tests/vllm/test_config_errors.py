@@ -134,6 +134,14 @@ def test_sync_loads_are_read_with_the_engines_failure_policy_and_refused_where_v
         config_for(model, sync_loads="yes")
 
 
+def test_the_engines_prefix_cache_setting_is_read(model):
+    """Lookups wait for a load in flight only where the engine's prefix cache will share what it brings."""
+    assert config_for(model).prefix_caching
+    vllm_config, kv_cache_config = make_configs(model, 32, CONNECTOR, MODULE, {})
+    vllm_config.cache_config.enable_prefix_caching = False
+    assert not config_from_vllm(vllm_config, kv_cache_config).prefix_caching
+
+
 def test_a_shared_tier_entry_is_read(model):
     config = config_for(model, shared_tier={"path": "/mnt/kv", "bytes": 1 << 40, "lookup_deadline": 0.25})
     assert config.lookup_deadline == 0.25
