@@ -74,7 +74,13 @@ class MooncakeMaster:
                    "--local_buffer_size=16777216", "--host=127.0.0.1", f"--port={port}"]
         with open(self.dir / f"node-{port}.log", "ab") as log:
             node = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir)
-        _wait(node, (port,), self.dir / f"node-{port}.log")
+        try:
+            _wait(node, (port,), self.dir / f"node-{port}.log")
+        except RuntimeError as error:
+            _kill(node)
+            alive = self.process is not None and self.process.poll() is None
+            raise RuntimeError(f"{error}\nthe master ({'running' if alive else 'exited'}) logged last: "
+                               f"{(self.dir / 'master.log').read_text()[-1000:]}") from None
         self.nodes.append(node)
         return node
 
@@ -96,22 +102,26 @@ class MooncakeMaster:
         os.kill(self.process.pid, signal.SIGCONT)
 
     def __enter__(self) -> MooncakeMaster:
-        for attempt in range(3):  # a port free when chosen may be another process's before the master binds it
+        tries = 3  # a port free when chosen may be another process's before the master binds it, and a node that
+        while True:  # cannot join the master on its port goes on to others: then both start again, on new ports
             try:
                 self.start()
-                break
-            except RuntimeError as error:
-                if "Address already in use" not in str(error) or attempt == 2:
+                self.add_node()
+                return self
+            except RuntimeError:
+                self._stop()
+                tries -= 1
+                if not tries:
                     raise
                 self.port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.add_node()
-        return self
 
     def __exit__(self, *exc: object) -> None:
-        for node in self.nodes:
-            _kill(node)
-        self.kill()
+        self._stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _stop(self) -> None:
+        self.kill_nodes()
+        self.kill()
 
 
 def _wait(process: subprocess.Popen[bytes], ports: tuple[int, ...], log: Path) -> None:

@@ -248,3 +248,19 @@ def test_a_master_or_metadata_server_that_cannot_be_reached_is_a_clear_error_tha
     with pytest.raises(TierError, match="shared_tier.metadata: .* cannot be reached"):
         settings(master, metadata="http://127.0.0.1:1/metadata").check()
     settings(master).check()
+
+
+def test_a_pool_whose_node_cannot_join_starts_again_on_new_ports(monkeypatch):
+    """A node that cannot join the master on its port goes on to other ports, where no one waits for it (seen under a
+    busy suite): the master and the node start again, on new ports, and the pool serves."""
+    real, failed = MooncakeMaster.add_node, []
+
+    def add_node(self):
+        if not failed:
+            failed.append(self.port)
+            raise RuntimeError("node-0 did not start: Failed to create client on port 1, retry 1/20")
+        return real(self)
+    monkeypatch.setattr(MooncakeMaster, "add_node", add_node)
+    with MooncakeMaster() as pool:
+        assert failed and pool.port != failed[0] and len(pool.nodes) == 1
+        assert tier(pool).put([(KEY, payload(1))]) == ["stored"]
