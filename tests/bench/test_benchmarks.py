@@ -55,3 +55,14 @@ def test_the_benchmark_runs_at_a_tiny_size(script, tmp_path):
         assert re.search(rf"\b{figure}=\d+(\.\d+)?\b", done.stdout), f"{script} printed no {figure}:\n{done.stdout}"
     if script == "gpu_check.py":  # without CUDA, a report that says so
         assert (tmp_path / "gpu_report.json").exists()
+
+
+def test_the_convoys_control_runs_no_connector_in_both_processes():
+    """``--same none``: the harness's own difference between two identical engines, the noise a figure lies in."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "convoy.py"), "--requests", "1", "--document", "32",
+                           "--rounds", "1", "--max-tokens", "1", "--same", "none"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "both ways are 'none'" in done.stdout
+    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["1"]]
+    assert [row[1] for row in rows] == ["shared", "unique"] and all(row[8] == "0" for row in rows), done.stdout
