@@ -38,6 +38,14 @@ def run(release: str, *args: str, cwd: Path = ROOT, timeout: int = 1800) -> subp
                           timeout=timeout)
 
 
+# pytest in a release's venv, once its ``import vllm`` is seen to be that release (one vLLM import per suite)
+PYTEST_UNDER = """
+import sys, pytest, vllm
+assert vllm.__version__.startswith(sys.argv[1]), f"vLLM {vllm.__version__} imported, not {sys.argv[1]}"
+sys.exit(pytest.main(sys.argv[2:]))
+"""
+
+
 @pytest.mark.parametrize("suite", [
     # vLLM's own OffloadingConnector in black-box mode (ours is checked behind 0.33's real schedulers, below; the
     # kit's own catches of bugs planted in ours and in the reader, on 0.32)
@@ -55,10 +63,8 @@ def run(release: str, *args: str, cwd: Path = ROOT, timeout: int = 1800) -> subp
      "tests/vllm/test_hybrid_rules.py", "tests/vllm/test_sync_loads.py", "-k", "not dense and not every-32"],
 ], ids=["black-box", "tiering", "simple-cpu", "real-schedulers"])
 def test_the_vllm_suites_pass_against_vllm_0_33(suite):
-    done = run("0.33", "-c", "import vllm; print(vllm.__version__)")
-    assert done.stdout.strip().startswith("0.33"), done.stderr[-2000:]
-    done = run("0.33", "-m", "pytest", "-q", "-p", "no:cacheprovider", *suite)
-    assert done.returncode == 0, done.stdout[-4000:]
+    done = run("0.33", "-c", PYTEST_UNDER, "0.33", "-q", "-p", "no:cacheprovider", *suite)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout
 
 
