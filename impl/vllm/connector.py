@@ -356,7 +356,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.offload.start_load_kv(metadata.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # a synchronous load is waited for whole in start_load_kv; an asynchronous one, by its request
+        # A synchronous load is waited for whole in start_load_kv; an asynchronous one, by its request. Not layer by
+        # layer: a full CUDA graph's replay skips this call, so vLLM would have to run piecewise graphs only
+        # (``requires_piecewise_for_cudagraph``), slowing every decode step to hide one copy.
+        pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         pass  # whole blocks are stored after the forward pass, in wait_for_save
