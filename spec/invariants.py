@@ -40,6 +40,7 @@ class Violation(AssertionError):
 
     invariant: str
     rules_run: int | None = None
+    adapter: int = 0  # which of the adapters run alongside it was found on (the first: 0)
     trace: list[tuple[str, dict[str, Any]]] | None = None
     coverage: Coverage | None = None
 

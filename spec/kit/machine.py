@@ -13,7 +13,7 @@ import sysconfig
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, TypeVar, cast
+from typing import Any, Callable, Iterator, Literal, Sequence, TypeVar, cast
 
 from attrs import evolve, fields
 from hypothesis import strategies as st
@@ -95,6 +95,7 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     factory: Callable[[Config], Any] = SpecConnector
     kv_factory: Callable[[int], Any] = ListKV
+    alongside: tuple[tuple[Callable[[Config], Any], Callable[[int], Any]], ...] = ()  # more adapters, level "exact"
     scenario: Scenario = Scenario()
     level: Level = "invariants"
     coverage: Coverage = Coverage()
@@ -103,8 +104,13 @@ class ConformanceMachine(RuleBasedStateMachine):
         super().__init__()
         self.trace: list[tuple[str, dict[str, Any]]] = []  # the rules run, with their arguments
         self.failed = False
+        self.running = 0  # the fleet a rule is driving (``_each``): a failure there is that adapter's
         self.fleets = [self._fleet(self.factory, self.kv_factory)]
         self.declared = capabilities_of(self.subject.connector)
+        for factory, kv_factory in self.alongside:  # the same programs: the same rules and checks must apply
+            self.fleets.append(self._fleet(factory, kv_factory))
+            if capabilities_of(self.fleets[-1].engines[0].connector) != self.declared:
+                raise ValueError(f"{factory!r} declares other capabilities than {self.factory!r}: run it alone")
         self.coverage.skipped, self.coverage.off = skipped_by(self.declared, self.scenario)
         self.coverage.examples += 1
         if self.level == "exact":  # the spec's twin runs the engines the subject gets (hybrid manager, store)
@@ -149,6 +155,12 @@ class ConformanceMachine(RuleBasedStateMachine):
         """The adapter's first engine."""
         return self.fleets[0].engines[0]
 
+    def _each(self) -> Iterator[Fleet]:
+        """Every fleet in turn, the adapters' then the spec twin's, noting which one runs."""
+        for running, fleet in enumerate(self.fleets):
+            self.running = running
+            yield fleet
+
     def _live(self) -> list[World]:
         return [engine for engine in self.fleets[0].engines if engine.requests]
 
@@ -160,12 +172,18 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _guard(self) -> Iterator[None]:
         """Every failure leaves as a Violation carrying the program that caused it; an exception of the connector's
         own becomes a ``ConnectorError`` (RAISED) caused by it."""
+        self.running = 0  # until ``_each`` says which fleet runs
         try:
             yield
         except Exception as exc:
             self.failed = True  # teardown must not bury this failure under a second one
             violation = exc if isinstance(exc, Violation) else ConnectorError(exc, raised_at(exc))
             violation.rules_run = len(self.trace)  # the program's length, reported per faulty variant
+            violation.adapter = self.running if self.running <= len(self.alongside) else 0  # (the twin's: the first)
+            if self.alongside:
+                subject = (self.factory, *(factory for factory, _ in self.alongside))[violation.adapter]
+                violation.add_note(f"found on {getattr(subject, '__qualname__', subject)!s}, of "
+                                   f"{len(self.alongside) + 1} adapters run alongside")
             violation.trace = list(self.trace)  # the last run Hypothesis raises from is the shrunk one
             violation.coverage = self.coverage
             if violation is exc:
@@ -186,14 +204,14 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     def _add(self, batch: list[tuple[list[int], int]], engine: int) -> None:
         for prompt, limit in batch[:self.scenario.max_live - len(self.fleets[0].engine(engine).requests)]:
-            for fleet in self.fleets:
+            for fleet in self._each():
                 fleet.engine(engine).add_request(prompt, limit)
 
     @rule(n=st.integers(1, 6))
     def step(self, n: int) -> None:
         with self._rule("step", n=n):
             for _ in range(n):
-                for fleet in self.fleets:
+                for fleet in self._each():
                     fleet.step()
                 self._compare()  # after every engine step: a difference may not outlive the rule
 
@@ -202,7 +220,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     def abort(self, i: int) -> None:
         """Abort a live request, picked by index (over every engine of a fleet)."""
         with self._rule("abort", i=i):
-            for fleet in self.fleets:
+            for fleet in self._each():
                 live = [(engine, req) for engine in fleet.engines for req in engine.requests.values()]
                 engine, req = live[i % len(live)]
                 engine.abort(req)
@@ -214,7 +232,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         and old KV is wrong from now on."""
         weights = reset_connector and self.allows(WEIGHT_UPDATES)
         with self._rule("reset_prefix_cache", **({"reset_connector": True} if weights else {})):
-            for fleet in self.fleets:
+            for fleet in self._each():
                 for world in fleet.engines:
                     world.update_weights() if weights else world.reset_prefix_cache()
 
@@ -224,7 +242,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         """The tier refuses the next store allocation made for one live request (picked by index over the fleet),
         as a full tier would: the seed bug's trigger."""
         with self._rule("refuse_next_store", i=i):
-            for fleet in self.fleets:
+            for fleet in self._each():
                 live = [(engine, req) for engine in fleet.engines for req in engine.requests]
                 engine, req_id = live[i % len(live)]
                 cast(Refusable, engine.connector).refuse_next_store(req_id)  # REFUSE_STORE was checked
@@ -236,7 +254,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         order given."""
         with self._rule("advance_transfers", picks=picks):
             may_fail = self.allows(NEEDS["fail_next_transfer"])  # failures only where that rule injects them
-            for fleet in self.fleets:
+            for fleet in self._each():
                 for i, fail in picks:
                     jobs = [(executor, j) for executor in fleet.executors() for j in range(len(executor.jobs))]
                     if jobs:
@@ -248,14 +266,14 @@ class ConformanceMachine(RuleBasedStateMachine):
     def fail_next_transfer(self, worker: int = 0) -> None:
         """The next transfer one worker (of any engine) executes fails (on the others it may succeed)."""
         with self._rule("fail_next_transfer", worker=worker):
-            for fleet in self.fleets:
+            for fleet in self._each():
                 executors = list(fleet.executors())
                 executors[worker % len(executors)].fail_next = True
 
     @invariant()
     def invariants_hold(self) -> None:
         with self._guard():
-            for fleet in self.fleets:
+            for fleet in self._each():
                 fleet.check()
             self._compare()
 
@@ -265,11 +283,11 @@ class ConformanceMachine(RuleBasedStateMachine):
             if not self.failed:
                 with self._guard():
                     if all(engine.fits() for engine in self.fleets[0].engines):
-                        for fleet in self.fleets:
+                        for fleet in self._each():
                             for engine in fleet.engines:
                                 engine.run_to_completion()
                         self._compare()
-                    for fleet in self.fleets:
+                    for fleet in self._each():
                         for engine in fleet.engines:
                             engine.drain()
                     self._compare()
@@ -282,11 +300,17 @@ class ConformanceMachine(RuleBasedStateMachine):
                 self.coverage.world.update({f"shared_{k}": n for k, n in self.fleets[0].store.counters.items()})
 
     def _compare(self) -> None:
-        """Exact level: the subject's engines and observations equal the spec's, field by field, and so do the
+        """Exact level: each adapter's engines and observations equal the spec's, field by field, and so do the
         records in their stores."""
-        if len(self.fleets) < 2:
+        if self.level != "exact":
             return
-        ours, spec = self.fleets
+        *adapters, spec = self.fleets
+        for running, ours in enumerate(adapters):
+            self.running = running
+            self._compare_fleets(ours, spec)
+
+    @staticmethod
+    def _compare_fleets(ours: Fleet, spec: Fleet) -> None:
         for i, (mine, theirs) in enumerate(zip(ours.engines, spec.engines)):
             engine = f"engine {i}, " if len(ours.engines) > 1 else ""
             views = [(name, a, b) for name, a, b in zip(("requests", "delayed frees", "transfers", "events"),
@@ -318,7 +342,7 @@ class FleetMachine(ConformanceMachine):
         """One engine's weights are updated (the others keep theirs): from now on it shares no record with them,
         and none of its old records is served to it."""
         with self._rule("update_weights_of", engine=engine):
-            for fleet in self.fleets:
+            for fleet in self._each():
                 fleet.engine(engine).update_weights()
 
     @needs(mode="restarts")
@@ -327,7 +351,7 @@ class FleetMachine(ConformanceMachine):
         """One engine crashes and starts again: its requests and transfers die with it, its GPU pool and tier come
         back empty; the store keeps what it had."""
         with self._rule("restart_engine", engine=engine):
-            for fleet in self.fleets:
+            for fleet in self._each():
                 fleet.restart(engine)
 
     @needs(SHARED, mode="store")
@@ -337,7 +361,7 @@ class FleetMachine(ConformanceMachine):
         mid-write) or has a bit flipped; one that a get in flight is about to read, if there is one (the race
         between an existence check and its get)."""
         with self._rule("damage_record", i=i, how=how):
-            for fleet in self.fleets:
+            for fleet in self._each():
                 store = cast(Store, fleet.store)
                 getting = frozenset(key for executor in fleet.executors() for job in executor.jobs
                                     if job.kind == "get" and not job.executed for _b, key, _s in job.copies)
@@ -349,7 +373,7 @@ class FleetMachine(ConformanceMachine):
         """The store is unreachable for a few steps, restarts with or without its records, answers one existence
         check early (picked by index), or breaks the connection after ``i % 4`` records of the next put or get."""
         with self._rule("store_event", event=event, **({"i": i} if event in ("answer", "break") else {})):
-            for fleet in self.fleets:
+            for fleet in self._each():
                 store = cast(Store, fleet.store)
                 if event == "outage":
                     store.outage(4)
@@ -386,7 +410,7 @@ class WeightVersions(ConformanceMachine):
         if not self.allows(WEIGHT_UPDATES):
             return
         with self._rule("update_before_serving", weights=weights):
-            for fleet in self.fleets:
+            for fleet in self._each():
                 for engine, w in zip(fleet.engines, weights):
                     engine.update_weights(w)
 
@@ -396,7 +420,7 @@ class WeightVersions(ConformanceMachine):
         """One engine's weights are updated in place to ``weights`` (0: its checkpoint's), then it resets: from the
         next step on, it shares records with exactly the engines that hold the same weights."""
         with self._rule("update_weights_to", engine=engine, weights=weights):
-            for fleet in self.fleets:
+            for fleet in self._each():
                 fleet.engine(engine).update_weights(weights)
 
     @needs(mode="restarts")
@@ -407,7 +431,7 @@ class WeightVersions(ConformanceMachine):
         records with exactly the engines that hold the same weights. (It takes the place of the fleet's restart, so
         that a scenario without restarts runs the programs it ran before.)"""
         with self._rule("restart_engine", engine=engine, **({"weights": weights} if weights else {})):
-            for fleet in self.fleets:
+            for fleet in self._each():
                 fleet.restart(engine, weights)
 
 
@@ -420,12 +444,19 @@ def one_fleet(factory: Callable[[Config], Any]) -> Callable[[Config], Any]:
 
 
 def make_machine(factory: Callable[[Config], Any], scenario: Scenario = DEFAULT_SCENARIO, level: Level = "invariants",
-                 kv_factory: Callable[[int], Any] = ListKV, name: str | None = None) -> type[ConformanceMachine]:
+                 kv_factory: Callable[[int], Any] = ListKV, name: str | None = None,
+                 alongside: Sequence[tuple[Callable[[Config], Any], Callable[[int], Any]]] = ()
+                 ) -> type[ConformanceMachine]:
     """A ConformanceMachine subclass bound to one adapter and one scenario (its ``TestCase`` runs it in pytest).
 
     Every such machine is named ``Conformance`` unless ``name`` says otherwise: a derandomized profile seeds
     Hypothesis from the machine's name, and the programs a profile runs must not depend on what the factory is
-    called (the trace names the adapter)."""
+    called (the trace names the adapter).
+
+    ``alongside``: more adapters, each with its KV factory, driven through the same programs beside the first and
+    compared with the same spec twin (level "exact" only: the spec runs once for all of them)."""
+    if alongside and level != "exact":
+        raise ValueError("adapters run alongside share the spec's twin: run them at level 'exact'")
     base: type[ConformanceMachine] = FleetMachine if scenario.engines > 1 or scenario.store else ConformanceMachine
     if scenario.file_faults:
         if level == "exact":  # the spec's twin keeps no files: it would load what the subject must recompute
@@ -434,6 +465,6 @@ def make_machine(factory: Callable[[Config], Any], scenario: Scenario = DEFAULT_
     if scenario.weight_versions:
         base = type(base.__name__, (WeightVersions, base), {})
     guarded = {rule for rule in GUARDED if hasattr(base, rule) and NEEDS[rule].met_mode(scenario)}
-    attrs = dict(factory=staticmethod(factory), kv_factory=staticmethod(kv_factory), scenario=scenario, level=level,
-                 coverage=Coverage(guarded=guarded))
+    attrs = dict(factory=staticmethod(factory), kv_factory=staticmethod(kv_factory), alongside=tuple(alongside),
+                 scenario=scenario, level=level, coverage=Coverage(guarded=guarded))
     return type(name or "Conformance", (base,), attrs)

@@ -7,7 +7,7 @@ import warnings
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from hypothesis import seed, settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -35,15 +35,20 @@ def _noting_seed(s: int | None, seeds: tuple[int, ...]) -> Iterator[None]:
 
 def run_conformance(factory: Callable[[Config], Any], scenario: Scenario = DEFAULT_SCENARIO,
                     level: Level = "invariants", kv_factory: Callable[[int], Any] = ListKV, profile: str | None = None,
-                    trace: str | os.PathLike[str] | None = None, **overrides: Any) -> Coverage:
+                    trace: str | os.PathLike[str] | None = None,
+                    alongside: Sequence[tuple[Callable[[Config], Any], Callable[[int], Any]]] = (),
+                    **overrides: Any) -> Coverage:
     """Run the kit against ``factory`` and return what it exercised. A failure is raised shrunk as a ``Violation``
     (an exception of the connector's own as ``ConnectorError``), with the spec version in its message; with
     ``trace`` its program is written there as JSON Lines first. ``profile`` ("pr", "nightly", "mutation" or any
     registered name) is used for this run only; without it, Hypothesis' current default. A profile with a seed
-    schedule (pr) runs its programs split over those seeds, one after the other."""
+    schedule (pr) runs its programs split over those seeds, one after the other. ``alongside``: more adapters, each
+    with its KV factory, through the same programs and against the same spec twin (level "exact"; they declare what
+    ``factory`` declares): one run, one spec, where separate runs would each run the spec again. A failure names the
+    adapter it was found on, and its trace replays that adapter alone."""
     base = get_profile(profile) if profile else settings.default
     assert base is not None, "Hypothesis loads a settings profile on import"
-    machine = make_machine(factory, scenario, level, kv_factory)
+    machine = make_machine(factory, scenario, level, kv_factory, alongside=alongside)
     checked_before = Counter(invariants.CHECKED)
     seeds = seed_schedule(base)
     if seeds:  # the profile's programs, split over its seeds

@@ -115,9 +115,10 @@ def hash_seed() -> str | None:
 
 
 def write_trace(path: Path, machine: type[ConformanceMachine], failure: Violation) -> None:
-    """Write the failure's program; ``UnreplayableTrace`` (nothing written) if a factory has no import name."""
-    (adapter, adapter_args), (kv, kv_args) = factory_entry(machine.factory), factory_entry(machine.kv_factory,
-                                                                                             "kv factory")
+    """Write the failure's program, for the adapter it was found on; ``UnreplayableTrace`` (nothing written) if a
+    factory has no import name."""
+    factory, kv_factory = ((machine.factory, machine.kv_factory), *machine.alongside)[failure.adapter]
+    (adapter, adapter_args), (kv, kv_args) = factory_entry(factory), factory_entry(kv_factory, "kv factory")
     header = {"kvoffload_trace": 1, "spec_version": SPEC_VERSION, "adapter": adapter,
               **({"adapter_args": adapter_args} if adapter_args else {}), "kv": kv,
               **({"kv_args": kv_args} if kv_args else {}), "level": machine.level,
