@@ -1,9 +1,11 @@
 """Spec, reference, production connector: every invariant, and exact equality with the spec after every rule, with
 real tensor bytes on the data plane (the production worker in every KV layout vLLM hands out).
 
-The spec runs in every test here: at level "exact" the kit drives a twin world with the spec connector through the
-same program and checks every invariant on it too. A run of the spec alone would repeat exactly that work (the
-first test shows it), so there is none."""
+One run drives all three through each program: the reference, the production connector alongside it, and at level
+"exact" the kit's twin world with the spec connector, which both are compared with and whose invariants are checked
+too. Runs of each alone would repeat the spec's work and the programs' (the first test shows they are the same
+programs), so there are none.
+"""
 
 from functools import partial
 
@@ -18,7 +20,7 @@ from kvoffload.spec.kit import run_conformance
 
 from .scenarios import ARC_SCENARIOS, FLEET_SCENARIOS, GPU_MODE_SCENARIOS, HYBRID_SCENARIOS, SCENARIOS, SYNC_SCENARIOS
 
-ALL = {**SCENARIOS, **GPU_MODE_SCENARIOS, **ARC_SCENARIOS}
+MODES = {**SCENARIOS, **GPU_MODE_SCENARIOS}
 
 LAYOUTS = [  # cycled over the scenarios so every layout and several dtypes meet the suite
     partial(LayeredKV, shape="kv_first", dtype=torch.bfloat16),
@@ -33,55 +35,58 @@ def failed_as_the_policy_says(scenario, coverage) -> None:
     assert bool(coverage.world["failed_requests"]) == (scenario.config.load_failure_policy == "fail")
 
 
-def test_the_exact_level_checks_the_spec_on_the_programs_a_run_of_the_spec_alone_runs():
-    """Why no test runs the spec alone: its twin in an exact run takes the same programs (the same examples and
-    world counts) and checks every invariant as often as on the subject: twice what the spec alone checks."""
+def test_one_run_checks_spec_reference_and_impl_on_the_programs_each_alone_runs():
+    """Why nothing here runs alone: in one exact run, the spec's twin, the reference and the production connector
+    take the programs (the same examples and world counts) a run of the spec alone takes, and of the production
+    connector alone, and each is checked for every invariant: three times what the spec alone checks."""
     scenario = HYBRID_SCENARIOS["hybrid-w4-only-delayed-failures"]
     alone = run_conformance(SpecConnector, scenario, level="invariants", max_examples=12)
-    paired = run_conformance(ReferenceConnector, scenario, level="exact", kv_factory=TensorKV, max_examples=12)
-    assert paired.examples == alone.examples and paired.world == alone.world and alone.world["blocks_loaded"]
-    assert paired.invariants == {name: 2 * n for name, n in alone.invariants.items()}, (alone, paired)
+    impl = run_conformance(OffloadConnector, scenario, level="exact", kv_factory=LAYOUTS[0], max_examples=12)
+    together = run_conformance(ReferenceConnector, scenario, level="exact", max_examples=12, **both(0))
+    assert together.examples == impl.examples == alone.examples and alone.world["blocks_loaded"]
+    assert together.world == impl.world == alone.world
+    assert together.invariants == {name: 3 * n for name, n in alone.invariants.items()}, (alone, together)
+
+
+def both(i: int) -> dict:
+    """The production connector alongside the reference, in the ``i``-th layout: one run, one spec twin."""
+    return {"kv_factory": TensorKV, "alongside": [(OffloadConnector, LAYOUTS[i % len(LAYOUTS)])]}
 
 
 @pytest.mark.parametrize("i, name", list(enumerate(SYNC_SCENARIOS)))
 def test_reference_and_impl_equal_spec_with_synchronous_loads(i, name):
     """Hits loaded before the forward pass that reads them; a failed one ends every request that read its blocks."""
-    coverage = run_conformance(ReferenceConnector, SYNC_SCENARIOS[name], level="exact", kv_factory=TensorKV)
+    coverage = run_conformance(ReferenceConnector, SYNC_SCENARIOS[name], level="exact", **both(i))
     assert coverage.world["sync_loads"] and coverage.world["blocks_loaded"]
     assert coverage.world["failed_requests"] or not SYNC_SCENARIOS[name].broken_loads
-    run_conformance(OffloadConnector, SYNC_SCENARIOS[name], level="exact", kv_factory=LAYOUTS[i % len(LAYOUTS)])
 
 
-@pytest.mark.parametrize("name", [*SCENARIOS, *GPU_MODE_SCENARIOS])
-def test_reference_equals_spec(name):
-    run_conformance(ReferenceConnector, {**SCENARIOS, **GPU_MODE_SCENARIOS}[name], level="exact", kv_factory=TensorKV)
+@pytest.mark.parametrize("i, name", list(enumerate(MODES)))
+def test_reference_and_impl_equal_spec(i, name):
+    coverage = run_conformance(ReferenceConnector, MODES[name], level="exact", **both(i))
+    failed_as_the_policy_says(MODES[name], coverage)
 
 
-@pytest.mark.parametrize("i, name", list(enumerate(ALL)))
-def test_impl_equals_spec(i, name):
-    coverage = run_conformance(OffloadConnector, ALL[name], level="exact", kv_factory=LAYOUTS[i % len(LAYOUTS)])
-    failed_as_the_policy_says(ALL[name], coverage)
+@pytest.mark.parametrize("i, name", list(enumerate(ARC_SCENARIOS)))
+def test_impl_equals_spec_with_the_arc_policy(i, name):
+    """The reference implements LRU only: the production connector runs ARC alone."""
+    coverage = run_conformance(OffloadConnector, ARC_SCENARIOS[name], level="exact",
+                               kv_factory=LAYOUTS[i % len(LAYOUTS)])
+    failed_as_the_policy_says(ARC_SCENARIOS[name], coverage)
 
 
-@pytest.mark.parametrize("name", HYBRID_SCENARIOS)
-def test_reference_equals_spec_in_hybrid_models(name):
+@pytest.mark.parametrize("i, name", list(enumerate(HYBRID_SCENARIOS)))
+def test_reference_and_impl_equal_spec_in_hybrid_models(i, name):
     """Every group's table, stores and loads, a sliding window's frees (fenced before reuse), hits every group can
     supply, with the engine modes mixed in."""
     scenario = HYBRID_SCENARIOS[name]
-    coverage = run_conformance(ReferenceConnector, scenario, level="exact", kv_factory=TensorKV)
+    coverage = run_conformance(ReferenceConnector, scenario, level="exact", **both(i))
     assert "the model's KV cache groups" not in coverage.skipped
     assert coverage.world["blocks_stored"] and coverage.world["blocks_loaded"]
     windowed = any(group.reach is not None for group in scenario.config.groups)
     assert bool(coverage.world["window_freed_blocks"]) == windowed
     assert bool(coverage.world["checkpoints"]) == (scenario.config.checkpoint_alignment is not None)
     failed_as_the_policy_says(scenario, coverage)
-
-
-@pytest.mark.parametrize("i, name", list(enumerate(HYBRID_SCENARIOS)))
-def test_impl_equals_spec_in_hybrid_models(i, name):
-    coverage = run_conformance(OffloadConnector, HYBRID_SCENARIOS[name], level="exact",
-                               kv_factory=LAYOUTS[i % len(LAYOUTS)])
-    assert "the model's KV cache groups" not in coverage.skipped
 
 
 class WithoutGroups(SpecConnector):
@@ -116,13 +121,6 @@ def _shared_as_expected(name, coverage):
     assert bool(coverage.world["sync_loads"]) == FLEET_SCENARIOS[name].config.sync_loads
 
 
-@pytest.mark.parametrize("name", FLEET_SCENARIOS)
-def test_reference_equals_spec_in_fleets(name):
-    _shared_as_expected(name, run_conformance(ReferenceConnector, FLEET_SCENARIOS[name], level="exact",
-                                              kv_factory=TensorKV))
-
-
 @pytest.mark.parametrize("i, name", list(enumerate(FLEET_SCENARIOS)))
-def test_impl_equals_spec_in_fleets(i, name):
-    _shared_as_expected(name, run_conformance(OffloadConnector, FLEET_SCENARIOS[name], level="exact",
-                                              kv_factory=LAYOUTS[i % len(LAYOUTS)]))
+def test_reference_and_impl_equal_spec_in_fleets(i, name):
+    _shared_as_expected(name, run_conformance(ReferenceConnector, FLEET_SCENARIOS[name], level="exact", **both(i)))
