@@ -2,12 +2,13 @@
 and a hit from the shared tier (a directory another engine wrote), one request at a time, over a sweep of document
 lengths, and the first ask of a document while the connector stores it (CPU tier) or puts it too (shared tier); see
 ``kvoffload.impl.testing.ttft`` for how each is measured. Each way runs in its own engine process, one after the
-other in this run, but the engine without a connector and those with a CPU tier (loading asynchronously, and
-synchronously under vLLM's "fail" policy) take turns, document by document: a CPU-tier hit's ratios to recompute and
-to the engine's own hit are medians over documents of ratios timed side by side; the other ratios are of medians at
-the same length. Every hit's first token is checked against recompute's, and every prefix-cache reset against
-vLLM's answer; a way whose engine never hit (its figures would be recompute's) fails the run. Last line, at ``--at``
-tokens: ``ttft_tier_vs_recompute=… ttft_tier_vs_gpu_hit=… ttft_sync_vs_gpu_hit=… ttft_sync_vs_own_hit=…
+other in this run, but the engine without a connector and those with a CPU tier (loading asynchronously, loading
+synchronously under vLLM's "fail" policy, and putting into the shared tier too) take turns, document by document: a
+CPU-tier hit's ratios to recompute and to the engine's own hit, and a first ask's while its KV is stored or put, are
+medians over documents of ratios timed side by side; the shared hits' ratios are of medians at the same length.
+Every hit's first token is checked against recompute's, and every prefix-cache reset against vLLM's answer; a way
+whose engine never hit (its figures would be recompute's) fails the run. Last line, at ``--at`` tokens:
+``ttft_tier_vs_recompute=… ttft_tier_vs_gpu_hit=… ttft_sync_vs_gpu_hit=… ttft_sync_vs_own_hit=…
 ttft_shared_vs_recompute=… ttft_storing_vs_recompute=… ttft_putting_vs_recompute=…`` (``sync_vs_own``: against the
 hit from the same engine's prefix cache, asked before its reset: no second process in the ratio).
 Goals at every length: a CPU-tier hit ≤ 0.05 × recompute (2048 tokens) and ≤ 1.05 × the engine's own hit (issue
@@ -57,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     model = build_prefill_llama(args.model_dir)
     with tempfile.TemporaryDirectory(prefix="kvoffload-ttft-") as directory:
         fs = {"backend": "fs", "path": directory, "bytes": 16 << 30}
-        runs = run_ways(("none", "tier", "sync"), model, args.lengths, args.docs)  # taking turns
-        for way in ("writer", "shared"):  # one after the other: the reader starts on what the writer left
-            runs |= run_ways((way,), model, args.lengths, args.docs, fs)
+        # taking turns (only the writer's connector takes the shared tier); the reader starts on what it left
+        runs = run_ways(("none", "tier", "sync", "writer"), model, args.lengths, args.docs, fs)
+        runs |= run_ways(("shared",), model, args.lengths, args.docs, fs)
     stores = [store for store in STORES if getattr(args, store)]
     for store in stores:
         with shared_store(store) as shared:
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ttft = medians(runs)
     print(f"\n{'tokens':>7} {'recompute':>10} {'gpu hit':>8} {'cpu tier':>9} {'sync':>8} {'shared':>8} "
           f"{'storing':>8} {'putting':>8}   {'tier/recomp':>11} {'tier/gpu':>8} {'sync/gpu':>8} {'sync/own':>8} "
-          f"{'sync/tier':>9} {'shared/recomp':>13}"
+          f"{'sync/tier':>9} {'stor/recomp':>11} {'put/recomp':>10} {'shared/recomp':>13}"
           f"   (ms, medians of {args.docs}; sync/own: against the same engine's own hit)")
     for n in args.lengths:
         row = [ttft[f"{kind}/{n}"] for kind in ("recompute", "gpu_hit", "cpu_tier", "cpu_tier_sync", "shared_tier",
@@ -77,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
               + f"   {paired(runs, 'cpu_tier', 'recompute', n):>11.3f} {paired(runs, 'cpu_tier', 'gpu_hit', n):>8.2f}"
               f" {paired(runs, 'cpu_tier_sync', 'gpu_hit', n):>8.2f}"
               f" {paired(runs, 'cpu_tier_sync', 'gpu_hit_sync', n):>8.2f}"
-              f" {paired(runs, 'cpu_tier_sync', 'cpu_tier', n):>9.2f} {row[4] / row[0]:>13.3f}")
+              f" {paired(runs, 'cpu_tier_sync', 'cpu_tier', n):>9.2f}"
+              f" {paired(runs, 'recompute_storing', 'recompute', n):>11.3f}"
+              f" {paired(runs, 'recompute_putting', 'recompute', n):>10.3f} {row[4] / row[0]:>13.3f}")
     wrong, resets = mismatches(runs), runs["tier"]["reset_steps"]
     print(f"\nfirst tokens identical to recompute: {'yes' if not wrong else 'NO: ' + '; '.join(wrong)}")
     print(f"prefix-cache resets: {len(resets)}, each confirmed by vLLM after {min(resets)}-{max(resets)} extra "
@@ -104,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
           f"ttft_sync_vs_gpu_hit={paired(runs, 'cpu_tier_sync', 'gpu_hit', at):.3f} "
           f"ttft_sync_vs_own_hit={paired(runs, 'cpu_tier_sync', 'gpu_hit_sync', at):.3f} "
           f"ttft_shared_vs_recompute={ttft[f'shared_tier/{at}'] / ttft[f'recompute/{at}']:.3f} "
-          f"ttft_storing_vs_recompute={ttft[f'recompute_storing/{at}'] / ttft[f'recompute/{at}']:.3f} "
-          f"ttft_putting_vs_recompute={ttft[f'recompute_putting/{at}'] / ttft[f'recompute/{at}']:.3f}"
+          f"ttft_storing_vs_recompute={paired(runs, 'recompute_storing', 'recompute', at):.3f} "
+          f"ttft_putting_vs_recompute={paired(runs, 'recompute_putting', 'recompute', at):.3f}"
           + store_figures + hybrid_figures)
     return 1 if wrong or hybrid_wrong else 0
 
