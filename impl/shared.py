@@ -15,6 +15,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
+import numpy
 import torch
 from attrs import evolve
 
@@ -92,13 +93,17 @@ def _staged(store: SharedTier, keys: list[Key], width: int) -> torch.Tensor:
     return torch.from_numpy(frames) if frames is not None else _staging(len(keys) * width).view(len(keys), width)
 
 
-def _spans(pool: HostPool, records: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each region, as words (``as_words``: index kernels move bytes one at a time), with its span of every record:
-    ``[records, k * width]`` bytes (a record's payload is its ``k`` rows, region after region)."""
+def _spans(pool: HostPool, records: torch.Tensor, k: int) -> list[tuple[numpy.ndarray, numpy.ndarray]]:
+    """Each region, as words (``as_words``: index kernels move bytes one at a time), with its span of every record,
+    ``[records, k, words]`` (a record's payload is its ``k`` rows, region after region). NumPy's arrays, not torch's:
+    a torch kernel called on an I/O thread starts an OpenMP team of that thread's, and once libgomp manages more
+    threads than there are cores, the engine's own team sleeps between its parallel regions instead of spinning (a
+    CPU engine's prefill took 1.3-1.6x as long after a put had moved rows)."""
     spans, offset = [], 0
     for region, words in zip(pool.regions, as_words(pool.regions)):
         width = k * region.shape[1]
-        spans.append((words, records[:, offset:offset + width]))
+        span = records[:, offset:offset + width].view(words.dtype).view(len(records), k, -1)
+        spans.append((words.numpy(), span.numpy()))
         offset += width
     return spans
 
@@ -108,12 +113,12 @@ def record_copy(kind: str, store: SharedTier, pool: HostPool, keys: list[Key], r
     """A put (host rows -> one record per key) or a get (records -> host rows; False, with no row written, unless
     every record was there and whole). Rows move one region at a time, every record at once: a copy per record and
     region held the GIL for the scheduler's thread to wait on (a 64-record get took 33 ms, 6 of them reading)."""
-    index, n = torch.tensor(rows), len(keys)
+    index = numpy.array(rows).reshape(len(keys), k)  # each record's rows
     if kind == "put":
         def put() -> bool:  # False if the store dropped a record (counted there): it is not in the store
             staged = _staged(store, keys, k * pool.row_bytes)
             for words, span in _spans(pool, staged, k):
-                span.copy_(words[index].view(torch.uint8).view(n, span.shape[1]))
+                numpy.take(words, index, axis=0, out=span, mode="clip")  # (no buffered copy: rows are in range)
             outcomes = store.put([(key, payload.numpy().data) for key, payload in zip(keys, staged)])
             return not any(outcome.startswith("dropped") for outcome in outcomes)
         return put
@@ -123,7 +128,7 @@ def record_copy(kind: str, store: SharedTier, pool: HostPool, keys: list[Key], r
         if not all(store.get(keys, [t.numpy().data for t in landing])):
             return False
         for words, span in _spans(pool, landing, k):
-            words[index] = span.reshape(n * k, -1).view(words.dtype)
+            words[index] = span
         return True
     return get
 
