@@ -13,7 +13,9 @@ and ``tier`` take turns, document by document (``run_ways``), so that a hit and 
   * ``sync``: the same, with synchronous loads (``sync_loads``, under vLLM's "fail" policy): the hit loads in the
     step that computes the question, not in a step of its own (a **synchronous CPU-tier hit**).
   * ``writer``: our connector with a CPU tier and a shared tier in a directory: the document with a third question,
-    cold (recompute while storing it into both, the records fsynced into the directory).
+    cold (recompute while storing it into both, the records fsynced into the directory); then the engine steps
+    until its puts end, untimed, as a serving engine's loop steps for them between requests
+    (``has_pending_push_work``): ``LLM.generate`` returns first, and the next ask would pay for them.
   * ``shared``: a new engine on the writer's directory, its CPU tier empty: the first question (a **shared-tier
     hit**: records got from the directory into the CPU tier, then loaded).
   * ``redis_writer`` and ``redis``, ``mooncake_writer`` and ``mooncake``: the same two, the shared tier on a Redis
@@ -133,7 +135,9 @@ def _ask(way: str, llm: Any, doc_id: int, doc: list[int], resets: list[int]) -> 
         resets.append(reset_prefix_cache(llm))
         return {"gpu_hit_sync": own, "cpu_tier_sync": first_token(llm, doc + question(doc_id, 1))}
     if way.endswith("writer"):
-        return {way.replace("writer", "recompute_putting"): first_token(llm, doc + question(doc_id, 3))}
+        putting = first_token(llm, doc + question(doc_id, 3))
+        drain(llm)  # its puts end before the next ask, as a serving engine steps for them between requests
+        return {way.replace("writer", "recompute_putting"): putting}
     return {SHARED_KIND[way]: first_token(llm, doc + question(doc_id, 1))}
 
 
