@@ -98,7 +98,7 @@ def _spans(pool: HostPool, records: torch.Tensor, k: int) -> list[tuple[numpy.nd
     ``[records, k, words]`` (a record's payload is its ``k`` rows, region after region). NumPy's arrays, not torch's:
     a torch kernel called on an I/O thread starts an OpenMP team of that thread's, and once libgomp manages more
     threads than there are cores, the engine's own team sleeps between its parallel regions instead of spinning (a
-    CPU engine's prefill took 1.3-1.6x as long after a put had moved rows)."""
+    CPU engine's prefill took 1.3-1.5x as long after a put had moved rows)."""
     spans, offset = [], 0
     for region, words in zip(pool.regions, as_words(pool.regions)):
         width = k * region.shape[1]
@@ -118,7 +118,7 @@ def record_copy(kind: str, store: SharedTier, pool: HostPool, keys: list[Key], r
         def put() -> bool:  # False if the store dropped a record (counted there): it is not in the store
             staged = _staged(store, keys, k * pool.row_bytes)
             for words, span in _spans(pool, staged, k):
-                numpy.take(words, index, axis=0, out=span, mode="clip")  # (no buffered copy: rows are in range)
+                numpy.take(words, index, axis=0, out=span, mode="clip")  # rows are in range: "raise" buffers
             outcomes = store.put([(key, payload.numpy().data) for key, payload in zip(keys, staged)])
             return not any(outcome.startswith("dropped") for outcome in outcomes)
         return put
