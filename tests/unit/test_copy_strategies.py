@@ -2,6 +2,8 @@
 layout, for 2- 4- and 1-byte dtypes, in both directions, for runs, scattered ids, reversed ids and single blocks;
 and a Mamba layer's state, which fills part of each padded page, as vLLM lays it out on GPUs and on its CPU build."""
 
+import resource
+
 import numpy as np
 import pytest
 import torch
@@ -189,3 +191,13 @@ def test_state_pages_move_their_state_bytes_and_leave_the_padding(layout, widths
     planned(Copier(views, pool, strategy), "load", blocks, rows)()
     assert all(torch.equal(view, w) for view, w in zip(views, want))
     assert torch.equal(pages[:, sum(widths):], padding)  # the padding of every page is as it was
+
+
+def test_a_host_pool_on_the_cpu_is_resident_before_its_first_store():
+    """Else its pages fault in one by one inside the step that first stores into them, or the I/O thread that gets a
+    shared hit into them (pinned memory, on a GPU host, is resident at once)."""
+    views = [torch.empty(1, width, dtype=torch.uint8) for width in (4096, 12288)]
+    pool = HostPool(views, 4096)  # 64 MiB: 16,384 pages
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    pool.buffer.fill_(7)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1_000
