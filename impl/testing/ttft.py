@@ -40,6 +40,7 @@ from .engine_process import EngineProcess, answer_each
 
 PREFILL_LLAMA: dict[str, Any] = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+TIER_BYTES = 1 << 30  # resident from the start (``HostPool``): four engines' tiers share this machine with their KV
 QUESTION = 17  # tokens after the document: never a whole block, so the document is the part a cache can serve
 STORES = ("redis", "mooncake")  # the shared tier's backends besides a directory: ways "<store>_writer" and "<store>"
 # a way that reads a shared tier: what its hit is
@@ -98,10 +99,10 @@ def serve(way: str, model: Path, max_length: int, shared_tier: dict[str, Any] | 
     blocks = 2 * (max_len // BLOCK_SIZE) + 16  # two documents' blocks: the GPU prefix cache holds the last one
     connector = None
     if way == "sync":
-        connector = connector_config(load_failure_policy="fail", tier_bytes=4 << 30, sync_loads=True)
+        connector = connector_config(load_failure_policy="fail", tier_bytes=TIER_BYTES, sync_loads=True)
     elif way != "none":
         shared: dict[str, Any] = {"shared_tier": shared_tier} if way != "tier" else {}
-        connector = connector_config(tier_bytes=4 << 30, **shared)  # an offload block is one of the engine's blocks
+        connector = connector_config(tier_bytes=TIER_BYTES, **shared)  # an offload block is one of the engine's blocks
     llm = make_llm(model, connector, num_gpu_blocks=blocks, max_model_len=max_len, memory_share=0.4)
 
     def handle(work: dict[str, Any]) -> dict[str, Any]:
