@@ -386,12 +386,14 @@ class OffloadScheduler:
         if not keys:
             return None
         state.cursor = first + len(keys)
-        slots = self.tier.prepare_store(keys, refuse=state.request.req_id in self.refusing)
+        table = state.block_tables[0]
+        slots = self.tier.prepare_store(keys, refuse=state.request.req_id in self.refusing,
+                                        gpu_blocks=[table[j * k] for j in range(first, first + len(keys))])
         if slots is None:  # refused: this request only
             self.refusing.discard(state.request.req_id)
         if not slots:  # ({}: all present)
             return None
-        table, copies, host_rows = state.block_tables[0], [], []
+        copies, host_rows = [], []
         for j, key in enumerate(keys, start=first):
             slot = slots.get(key)
             if slot is not None:
@@ -416,7 +418,8 @@ class OffloadScheduler:
                     block_hash = hashes[key_index(j, self.strides[g])]
                     offered.append((j, g, block_hash, group_key(block_hash, g)))
         slots = self.tier.prepare_store([key for _j, _g, _h, key in offered],
-                                        refuse=state.request.req_id in self.refusing)
+                                        refuse=state.request.req_id in self.refusing,
+                                        gpu_blocks=[tables[g][j * k] for j, g, _h, _key in offered])
         if slots is None:  # refused: this request only
             self.refusing.discard(state.request.req_id)
         if not slots:

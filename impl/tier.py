@@ -83,10 +83,12 @@ class OffloadTier:
             if self.stale[slot] and not self.refs[slot]:
                 self._remove([key])
 
-    def prepare_store(self, keys: list[Key], refuse: bool = False, fetched: bool = False) -> dict[Key, int] | None:
+    def prepare_store(self, keys: list[Key], refuse: bool = False, fetched: bool = False,
+                      gpu_blocks: list[int] | None = None) -> dict[Key, int] | None:
         """Host slots for the keys not present that it takes (a request's offers: once offered ``store_threshold``
         times; records ``fetched`` for a hit: all), present ones counting as used; None and no slot changed if no
-        room (or ``refuse``: an injected allocation failure)."""
+        room (or ``refuse``: an injected allocation failure). ``gpu_blocks`` (each key's first GPU block): the new
+        keys' slots ascend as their blocks do."""
         new = [key for key in keys if key not in self.slot_of]
         taken: set[Key] | None = None  # None: every new key
         if self.offers is not None and not fetched:
@@ -112,12 +114,22 @@ class OffloadTier:
                 slot = slots[key] = slot_of[key] = free.pop()
                 self.ready[slot] = self.stale[slot] = 0
                 policy.insert(key)
+        if gpu_blocks is not None and len(slots) > 1:
+            self._follow_blocks(slots, dict(zip(keys, gpu_blocks)))
         if victims:
             for key in victims:  # after the inserts: ARC's target follows the ghosts as they were
                 policy.evict(key)
             self.evictions += len(victims)
             self.events.append(Event("removed", tuple(victims)))
         return slots
+
+    def _follow_blocks(self, slots: dict[Key, int], block_of: dict[Key, int]) -> None:
+        """Hands the same slots out again, ascending as the keys' GPU blocks do. vLLM frees a request's blocks tail
+        first, so a later request's blocks descend through its tokens; slots in token order made its store, and its
+        load into blocks handed out the same way, copy backwards through memory on one side: 32 MiB took 1.55 ms in
+        vLLM's CPU engine here, and 0.95 ms (memcpy's speed) as the one forward run that following the blocks makes."""
+        for key, slot in zip(sorted(slots, key=block_of.__getitem__), sorted(slots.values())):
+            slots[key] = self.slot_of[key] = slot
 
     def _count_offers(self, keys: list[Key]) -> None:
         offers = cast("OrderedDict[Key, int]", self.offers)
