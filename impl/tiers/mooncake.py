@@ -6,9 +6,11 @@ what a record is and what a reader checks)::
     kvoffload/<namespace digest>/<key>       one record per offload block: header and payload in one object
 
 **One object per record, written once.** The pool never replaces an object: a second put of a name succeeds and
-changes nothing, so the first writer wins. A put asks which of its records are there (on another thread, while
-it seals them: the question crosses the network to the master) and sends only the others. Objects become
-visible only once whole (Mooncake's put is a start, the copies, and an end).
+changes nothing, so the first writer wins (it moves no bytes either: 0.2-0.3 ms for a batch of 16 MiB here). A put
+asks which of its records are there, to count them as present, not stored (on another thread, while it seals them:
+the question crosses the network to the master), and sends only the others. A batch of ``hashing.SPLIT_BYTES`` or
+more is sealed, and checked when got, on two threads. Objects become visible only once whole (Mooncake's put is a
+start, the copies, and an end).
 
 **No copy of a payload, one piece per record.** The engine stages a put's or a get's payloads in this thread's
 registered memory (``staging``), each with room for its header just before it: a put writes the header there and
@@ -57,6 +59,7 @@ from kvoffload.spec.records import Bytes, Namespace, RecordError, RecordKey, che
 from ..shared import STAGING_KEPT
 from .answers import FutureAnswer
 from .fs import TierError
+from .hashing import each
 
 PREFIX = "kvoffload"
 # Mooncake's error codes (mooncake-store's types.h) that the counters name; any other is counted by its number
@@ -263,8 +266,9 @@ class MooncakeTier:
         pieces = self._pieces(list(map(header_size, keys)), arrays)
         codes = self._call(self.store.batch_get_into_multi_buffers, names, [p[1] for p in pieces],
                            [p[2] for p in pieces])
-        return [self._take(key, name, code, header, row)
-                for key, name, code, (header, _, _), row in zip(keys, names, codes, pieces, rows)]
+        got = [(key, name, code, header, row) for key, name, code, (header, _, _), row
+               in zip(keys, names, codes, pieces, rows)]
+        return each(lambda one: self._take(*one), got, len(got) * self.payload_len)
 
     def _pieces(self, heads: list[int], payloads: Sequence[numpy.ndarray]) -> list[_Pieces]:
         """Where each record moves from or to: one piece, its header's room and its payload, for a payload staged in
@@ -336,7 +340,8 @@ class MooncakeTier:
         self._remove_condemned()
         names = [self.name(key) for key, _ in records]
         asked = self._present.submit(self._call, self.store.batch_is_exist, names)  # the client lets go of the GIL
-        every = [seal(self.namespace, key, payload) for key, payload in records]  # meanwhile (few are there)
+        every = each(lambda record: seal(self.namespace, *record), records,  # meanwhile (few are there)
+                     len(records) * self.payload_len)
         outcomes = ["present" if code == 1 else f"dropped:{self._error(code)}" if code < 0 else ""
                     for code in asked.result()]
         todo = [i for i, outcome in enumerate(outcomes) if not outcome]
