@@ -125,7 +125,12 @@ class Copier:
             raise BlockIdError(f"GPU block ids {blocks.tolist()} out of range [0, {self.num_blocks})")
 
     def plan(self, kind: TransferKind, blocks: np.ndarray, rows: np.ndarray) -> Callable[[], None]:
-        """A closure that performs the copy; all indexing work is done here, at submit time."""
+        """A closure that performs the copy; all indexing work is done here, at submit time. The pairs go in host row
+        order: a request's blocks descend through its tokens (vLLM frees tail first), and so do the rows the tier
+        gave them (``OffloadTier._follow_blocks``), where each pair in token order would be a run of its own (on
+        CUDA, a DMA each)."""
+        order = np.argsort(rows, kind="stable")
+        blocks, rows = blocks[order], rows[order]
         if kind == "store":
             src_idx, dst_idx, pairs = blocks, rows, list(zip(self.regions, self.views))  # (dst, src)
         else:

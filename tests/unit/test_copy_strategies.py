@@ -201,3 +201,24 @@ def test_a_host_pool_on_the_cpu_is_resident_before_its_first_store():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     pool.buffer.fill_(7)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1_000
+
+
+@pytest.mark.parametrize("kind", ["store", "load"])
+def test_blocks_and_rows_that_descend_together_move_as_one_run(kind, monkeypatch):
+    """A request's blocks descend through its tokens, and so do the rows the tier gave them: one span of host rows,
+    so one DMA per view on CUDA (the staging path, forced here on CPU tensors), not one per block."""
+    blocks, rows = [9, 8, 7, 6, 5], [4, 3, 2, 1, 0]
+    kv, expected_kv = filled_kv("kv_first", torch.bfloat16), filled_kv("kv_first", torch.bfloat16)
+    pool, expected_pool = filled_pool(kv.views), filled_pool(kv.views)
+    if kind == "store":
+        plain_store(expected_kv.views, expected_pool.regions, blocks, rows)
+    else:
+        plain_load(expected_kv.views, expected_pool.regions, blocks, rows)
+    copies = []
+    copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, **kw: copies.append(len(src)) or copy(self, src, **kw))
+    planned(Copier(kv.views, pool, "staged"), kind, blocks, rows)()
+    monkeypatch.undo()
+    assert copies == [len(blocks)] * len(kv.views)
+    assert torch.equal(pool.buffer, expected_pool.buffer)
+    assert all(torch.equal(a, b) for a, b in zip(cache_bytes(kv), cache_bytes(expected_kv)))
