@@ -57,8 +57,9 @@ def frozen_store_costs_its_timeout(engine: SharedTier, store, limit: float, drop
     store.freeze()
     try:
         answer = engine.ask([KEY])
-        time.sleep(0.1)
-        assert not answer.done() and answer.waited() >= 0.1  # the connector gives up here, at its deadline
+        assert not answer.done()  # asking never waits for the store; the connector gives up at its deadline (0.1 s)
+        time.sleep(0.1)  # (it was done by then once, in a full make test: the Mooncake tests time out at 0.3 s)
+        assert answer.waited() >= 0.1
         began = time.monotonic()
         assert read(engine) is None
         assert time.monotonic() - began < limit and engine.counters["errors_timeout"] >= 1
