@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import attrs
@@ -322,7 +323,7 @@ def test_another_replicas_record_is_found_once_the_directory_is_listed_again(tmp
     assert read(mine) == payload(1)
 
 
-def test_after_an_idle_spell_a_small_directory_is_listed_before_the_answer(tmp_path):
+def test_after_an_idle_spell_the_keys_the_index_lacks_are_looked_for_before_the_answer(tmp_path):
     mine, theirs = FileTier(tmp_path, NS, PAYLOAD, refresh=0.02), FileTier(tmp_path, NS, PAYLOAD)
     assert mine.ask([KEY]).result() == [False]
     theirs.put([(KEY, payload(1)), (5, payload(2))])
@@ -330,17 +331,36 @@ def test_after_an_idle_spell_a_small_directory_is_listed_before_the_answer(tmp_p
     assert [mine.ask([KEY]).result(), mine.ask([5, 6]).result()] == [[True], [True, False]]
 
 
-class SlowListing(FileTier):
-    SPOT_LISTING = -1.0  # every listing is too slow to run on the asking thread
+class HeldListing(FileTier):
+    """A directory whose listings after attach take as long as the test holds them (a large one)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.listing = threading.Event()
+        self.release = None
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+
+    def _scan(self):
+        if self.release is not None:
+            self.listing.set()
+            self.release.wait(timeout=5)
+        return super()._scan()
 
 
-def test_after_an_idle_spell_a_large_directory_answers_at_once_and_is_listed_behind(tmp_path):
-    mine, theirs = SlowListing(tmp_path, NS, PAYLOAD, refresh=0.02), FileTier(tmp_path, NS, PAYLOAD)
+def test_after_an_idle_spell_any_directory_answers_at_once_and_exactly(tmp_path):
+    """The scheduler thread never waits for a listing, and a listing that runs behind costs no hit: the asked keys
+    are looked for one by one."""
+    mine, theirs = HeldListing(tmp_path, NS, PAYLOAD, refresh=0.02), FileTier(tmp_path, NS, PAYLOAD)
     theirs.put([(KEY, payload(1))])
     time.sleep(0.2)
-    assert mine.ask([KEY]).result() == [False]  # the scheduler thread never waits for a listing
+    try:
+        assert mine.ask([KEY, 6]).result() == [True, False]
+        assert mine.listing.wait(timeout=5) and mine._listing  # the listing it started is still held
+    finally:
+        mine.release.set()
     eventually(lambda: not mine._listing, "the listing never ended")
     assert mine.ask([KEY]).result() == [True]
+    assert read(mine) == payload(1)
 
 
 def test_the_schedulers_index_learns_its_workers_puts_at_once(tmp_path):
