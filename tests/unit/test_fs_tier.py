@@ -363,6 +363,16 @@ def test_after_an_idle_spell_any_directory_answers_at_once_and_exactly(tmp_path)
     assert read(mine) == payload(1)
 
 
+def test_after_an_idle_spell_an_ask_looks_for_a_bounded_number_of_files(tmp_path):
+    """A long prompt's lookup may lack thousands of keys: the scheduler thread looks for ``IDLE_LOOKS`` files at
+    most, the rest answered from the index."""
+    mine, theirs = FileTier(tmp_path, NS, PAYLOAD, refresh=0.02), FileTier(tmp_path, NS, PAYLOAD)
+    mine.IDLE_LOOKS = 1
+    theirs.put([(KEY, payload(1)), (5, payload(2))])
+    time.sleep(0.2)
+    assert mine.ask([KEY, 5]).result() == [True, False]
+
+
 def test_a_listing_that_waited_does_not_put_off_the_next(tmp_path):
     """Beside a busy scheduler thread a listing waits for the GIL at every file it reads (2,000 records: 4 ms alone,
     150 ms beside a thread that never lets go): the next listing is put off by its CPU time, not its wall time."""
