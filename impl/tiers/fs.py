@@ -23,10 +23,10 @@ open keeps reading it whatever happens to its name.)
 Existence checks (``ask``, on the scheduler's thread) are answered at once from an index of the namespace's keys,
 listed at attach, listed again on an I/O thread at most every ``refresh`` seconds (more, if a listing takes much CPU),
 and told of this engine's own puts at once (``learn``). After an idle spell, when replicas may have written much
-since, each asked key the index lacks is looked for on disk on the asking thread (2-5 µs a key here, up to
-``IDLE_LOOKS`` keys: a lookup's keys, never the whole directory, which a listing reads whatever its size), while the
-listing runs behind. An index that is behind only costs hits: a record it lists that is gone by the get is a miss
-like any other, and the engine recomputes.
+since, each asked key the index lacks is looked for on disk on the asking thread, for ``IDLE_LOOKING`` seconds at
+most (2-5 µs a key here; a lookup's keys, never the whole directory, which a listing reads whatever its size), while
+the listing runs behind. An index that is behind only costs hits: a record it lists that is gone by the get is a
+miss like any other, and the engine recomputes.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from itertools import islice
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, TypeVar
@@ -73,7 +72,9 @@ class FileTier:
     ABANDONED = 600.0  # seconds: a temporary file this old is a killed writer's (a live write takes milliseconds)
     RENEW_EVERY = 0.05  # seconds: found records' leases are renewed this late at most
     RENEW_AGAIN = LEASE / 6  # seconds: a record found again sooner after its renewal is not renewed again
-    IDLE_LOOKS = 1024  # files an ask looks for at most after an idle spell (5 ms here): the rest, from the index
+    # seconds an ask spends looking for files after an idle spell at most (over 1,000 files here; a network
+    # filesystem's uncached lookups cost a round trip each): the rest are answered from the index
+    IDLE_LOOKING = 0.005
 
     def __init__(self, root: str | os.PathLike[str], namespace: Namespace, payload_len: int,
                  io_threads: int = 4, refresh: float = 0.5) -> None:
@@ -135,7 +136,7 @@ class FileTier:
     def ask(self, keys: Sequence[RecordKey], fresh: bool = False) -> IndexAnswer | FutureAnswer:
         """Which records are there, by the index. An index older than ``refresh`` seconds is listed again on an I/O
         thread, the answer given from the one at hand; one older than four periods (an idle spell) answers for the
-        keys it lacks by looking for their files, on the spot (the first ``IDLE_LOOKS`` of them). ``fresh``: each
+        keys it lacks by looking for their files, on the spot (for ``IDLE_LOOKING`` seconds at most). ``fresh``: each
         file is looked for on an I/O thread (the index may still hold a record that another process's get
         quarantined a moment ago)."""
         if fresh:
@@ -147,14 +148,23 @@ class FileTier:
                 self._pool.submit(self._list)
             found = [key in self._index for key in keys]
         if age >= 4 * self._period and False in found:
-            lacking = islice((key for key, there in zip(keys, found) if not there), self.IDLE_LOOKS)
-            looked = {key for key in lacking if os.path.exists(self._file(key))}
+            looked = self._look_for([key for key, there in zip(keys, found) if not there])
             found = [there or key in looked for key, there in zip(keys, found)]
             self.learn(looked)
         if True in found:
             with self._lock:
                 self._renew_later([key for key, there in zip(keys, found) if there])
         return IndexAnswer(found)
+
+    def _look_for(self, keys: list[RecordKey]) -> set[RecordKey]:
+        """Those of ``keys`` whose files are there, looked for in order for ``IDLE_LOOKING`` seconds at most."""
+        there, until = set(), time.monotonic() + self.IDLE_LOOKING
+        for key in keys:
+            if time.monotonic() >= until:
+                break
+            if os.path.exists(self._file(key)):
+                there.add(key)
+        return there
 
     def learn(self, keys: Iterable[RecordKey]) -> None:
         """Records this engine's workers published (their puts ran in other processes): in the index at once."""

@@ -363,14 +363,31 @@ def test_after_an_idle_spell_any_directory_answers_at_once_and_exactly(tmp_path)
     assert read(mine) == payload(1)
 
 
-def test_after_an_idle_spell_an_ask_looks_for_a_bounded_number_of_files(tmp_path):
-    """A long prompt's lookup may lack thousands of keys: the scheduler thread looks for ``IDLE_LOOKS`` files at
-    most, the rest answered from the index."""
-    mine, theirs = FileTier(tmp_path, NS, PAYLOAD, refresh=0.02), FileTier(tmp_path, NS, PAYLOAD)
-    mine.IDLE_LOOKS = 1
+class SlowLookups(FileTier):
+    """A network filesystem: each file looked for costs a round trip (here 20 ms); those the thread that made the
+    tier looked for are counted (the I/O threads' renewals are not)."""
+
+    looked_for = 0
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.asker = threading.get_ident()
+        super().__init__(*args, **kwargs)
+
+    def _file(self, key):
+        if threading.get_ident() == self.asker:
+            self.looked_for += 1
+            time.sleep(0.02)
+        return super()._file(key)
+
+
+def test_after_an_idle_spell_an_ask_spends_a_bounded_time_looking_for_files(tmp_path):
+    """A long prompt's lookup may lack thousands of keys, on a filesystem where each costs a round trip: the
+    scheduler thread looks for files for ``IDLE_LOOKING`` seconds at most, the rest answered from the index."""
+    mine, theirs = SlowLookups(tmp_path, NS, PAYLOAD, refresh=0.02), FileTier(tmp_path, NS, PAYLOAD)
     theirs.put([(KEY, payload(1)), (5, payload(2))])
     time.sleep(0.2)
-    assert mine.ask([KEY, 5]).result() == [True, False]
+    assert mine.ask([KEY, 5, 6]).result() == [True, False, False]
+    assert mine.looked_for == 1  # past the 5 ms, after the first
 
 
 def test_a_listing_that_waited_does_not_put_off_the_next(tmp_path):
