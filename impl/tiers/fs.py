@@ -167,7 +167,8 @@ class FileTier:
         return there
 
     def learn(self, keys: Iterable[RecordKey]) -> None:
-        """Records this engine's workers published (their puts ran in other processes): in the index at once."""
+        """Records known to be there (this engine's workers published them from other processes, or an ask found
+        their files): in the index at once."""
         with self._lock:
             self._index.update(keys)
             if self._listing:
